@@ -1,0 +1,1 @@
+"""Trial and training runners."""

@@ -1,0 +1,21 @@
+"""Llama-style decoders (also Mistral, Qwen2): separate Q/K/V, gated (SwiGLU) MLP, untied head."""
+
+from slapo_tune.parallelize import Colwise, ReduceInputGrad, Rowwise, VocabParallel
+
+BLOCKS = "model.layers"
+
+_QKV = Colwise(reduce_input_grad=False)  # the attention module reduces its input gradient once
+
+TP_PLAN = {
+    "model.embed_tokens": VocabParallel(),
+    "model.layers.*.self_attn": ReduceInputGrad(),
+    "model.layers.*.self_attn.q_proj": _QKV,
+    "model.layers.*.self_attn.k_proj": _QKV,
+    "model.layers.*.self_attn.v_proj": _QKV,
+    "model.layers.*.self_attn.o_proj": Rowwise(),
+    "model.layers.*.mlp": ReduceInputGrad(),
+    "model.layers.*.mlp.gate_proj": _QKV,
+    "model.layers.*.mlp.up_proj": _QKV,
+    "model.layers.*.mlp.down_proj": Rowwise(),
+    "lm_head": Colwise(gather_output=True),
+}

@@ -1,0 +1,19 @@
+"""OPT: Q/K/V and fc1/fc2 with biases, learned positions, LM head tied to the token embedding."""
+
+from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+
+BLOCKS = "model.decoder.layers"
+
+_QKV = Colwise(reduce_input_grad=False)
+
+TP_PLAN = {
+    "model.decoder.embed_tokens": VocabParallel(),
+    "model.decoder.layers.*.self_attn": [DivideAttr("num_heads"), ReduceInputGrad()],
+    "model.decoder.layers.*.self_attn.q_proj": _QKV,
+    "model.decoder.layers.*.self_attn.k_proj": _QKV,
+    "model.decoder.layers.*.self_attn.v_proj": _QKV,
+    "model.decoder.layers.*.self_attn.out_proj": Rowwise(),
+    "model.decoder.layers.*.fc1": Colwise(),
+    "model.decoder.layers.*.fc2": Rowwise(),
+    "lm_head": Colwise(gather_output=True),
+}

@@ -1,0 +1,154 @@
+"""Collectives as autograd functions, each with its conjugate backward.
+
+``torch.distributed.nn.functional.all_reduce`` cannot be used for tensor parallelism: its backward
+all-reduces too, so weight gradients come out multiplied by the group size. Megatron's pairs are
+spelled out here instead:
+
+=================  ==============================  ==============================
+function           forward                         backward
+=================  ==============================  ==============================
+``reduce_fwd``     all-reduce (sum)                identity
+``reduce_bwd``     identity                        all-reduce (sum)
+``gather``         all-gather along ``axis``       keep this rank's chunk
+``reduce_scatter`` reduce-scatter along ``axis``   all-gather along ``axis``
+``scatter``        keep this rank's chunk          all-gather along ``axis``
+=================  ==============================  ==============================
+
+A group of size one makes every function the identity, so a schedule written for ``tp=2`` runs
+unchanged at ``tp=1`` without any communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Size of ``group``; 1 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    # A fresh buffer: the input may have been saved by autograd for another op's backward.
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=axis)
+
+
+def _own_chunk(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    size = group_size(group)
+    if x.shape[axis] % size:
+        raise ValueError(f"dimension {axis} of size {x.shape[axis]} is not divisible by the group size {size}")
+    return x.chunk(size, dim=axis)[group_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    size = group_size(group)
+    if x.shape[axis] % size:
+        raise ValueError(f"dimension {axis} of size {x.shape[axis]} is not divisible by the group size {size}")
+    inputs = [c.contiguous() for c in x.chunk(size, dim=axis)]
+    out = torch.empty_like(inputs[0])
+    dist.reduce_scatter(out, inputs, group=group)
+    return out
+
+
+class _ReduceForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return _all_gather(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(grad, ctx.axis, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return _reduce_scatter(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.axis, ctx.group), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, group):
+        ctx.axis, ctx.group = axis, group
+        return _own_chunk(x, axis, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.axis, ctx.group), None, None
+
+
+def reduce_fwd(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum partial results across ``group`` (forward); pass gradients through (backward)."""
+    return x if group_size(group) == 1 else _ReduceForward.apply(x, group)
+
+
+def reduce_bwd(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Identity forward; sum the partial input gradients across ``group`` in backward."""
+    return x if group_size(group) == 1 else _ReduceBackward.apply(x, group)
+
+
+def gather(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate the ranks' partitions along ``axis``; backward keeps this rank's chunk."""
+    return x if group_size(group) == 1 else _Gather.apply(x, axis % x.dim(), group)
+
+
+def reduce_scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Sum across ranks and keep this rank's chunk along ``axis``; backward all-gathers."""
+    return x if group_size(group) == 1 else _ReduceScatter.apply(x, axis % x.dim(), group)
+
+
+def scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated tensor along ``axis``; backward all-gathers."""
+    return x if group_size(group) == 1 else _Scatter.apply(x, axis % x.dim(), group)
+
+
+def all_gather_tensor(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Non-differentiable all-gather (used to reassemble shards for comparison and saving)."""
+    return x if group_size(group) == 1 else _all_gather(x.detach(), axis % x.dim(), group)

@@ -1,0 +1,602 @@
+"""The schedule tree and its module-level primitives.
+
+``create_schedule(model)`` wraps an unmodified ``nn.Module`` in a tree of :class:`Schedule` nodes,
+one per submodule, addressed by the submodule's own path (``sch["transformer.h.0.attn"]``). Each
+primitive is a method on a node; it checks everything first and changes the model only when it
+can succeed, so a refused primitive leaves the model exactly as it was.
+
+What a primitive decides is stored on the module itself (``module._slapo``), so it travels with the
+module through ``replace``, ``deepcopy`` and stage construction; the tree is only an index.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from . import _comm
+from ._sharding import PARTIAL, REPLICATED, Layout, ShardSpec, partition, rule_for
+from .errors import ScheduleError, ScheduleKeyError, ShardingError, SyncError
+
+SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
+
+
+@dataclass
+class SyncSpec:
+    """One communication attached to a module boundary."""
+
+    mode: str
+    op: str | Callable
+    axis: int
+    group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+
+    def __deepcopy__(self, memo):
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        return clone
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if callable(self.op):
+            if self.mode == "bwd_post":
+                return _BackwardCallable.apply(x, self.op, self.group)
+            return self.op(x, self.group)
+        if self.mode == "bwd_post":
+            return _comm.reduce_bwd(x, self.group)
+        if self.op == "all_reduce":
+            return _comm.reduce_fwd(x, self.group)
+        if self.op == "all_gather":
+            return _comm.gather(x, self.axis, self.group)
+        if self.op == "reduce_scatter":
+            return _comm.reduce_scatter(x, self.axis, self.group)
+        return _comm.scatter(x, self.axis, self.group)
+
+
+class _BackwardCallable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fn, group):
+        ctx.fn, ctx.group = fn, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.fn(grad, ctx.group), None, None
+
+
+@dataclass
+class ModuleState:
+    """Everything the schedule decided about one module."""
+
+    shards: dict[str, ShardSpec] = field(default_factory=dict)
+    input_layout: Layout | None = None
+    output_layout: Layout | None = None  # as computed by the module, before fwd_post syncs
+    pre_syncs: list[SyncSpec] = field(default_factory=list)
+    post_syncs: list[SyncSpec] = field(default_factory=list)
+    compute: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    defers_bias: bool = False
+    checkpointed: bool = False
+    rng_group: ProcessGroup | None = field(default=None, repr=False)
+    forks_rng: bool = False
+    annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hooks_installed: bool = False
+
+    def __deepcopy__(self, memo):
+        clone = copy.copy(self)
+        memo[id(self)] = clone
+        clone.shards = {k: copy.deepcopy(v, memo) for k, v in self.shards.items()}
+        clone.pre_syncs = [copy.deepcopy(s, memo) for s in self.pre_syncs]
+        clone.post_syncs = [copy.deepcopy(s, memo) for s in self.post_syncs]
+        clone.annotations = copy.deepcopy(self.annotations, memo)
+        return clone
+
+    @property
+    def synced_output_layout(self) -> Layout | None:
+        layout = self.output_layout
+        for s in self.post_syncs:
+            layout = _layout_after(s, layout)
+        return layout
+
+    @property
+    def changes_forward(self) -> bool:
+        return self.compute is not None or self.checkpointed or self.forks_rng
+
+
+def state_of(module: nn.Module, create: bool = False) -> ModuleState | None:
+    """The schedule state stored on ``module`` (None if no primitive touched it)."""
+    state = module.__dict__.get("_slapo")
+    if state is None and create:
+        state = ModuleState()
+        module.__dict__["_slapo"] = state
+    return state
+
+
+def _layout_after(sync: SyncSpec, layout: Layout | None) -> Layout | None:
+    if callable(sync.op) or sync.mode == "bwd_post":
+        return layout if sync.mode == "bwd_post" else None
+    return {
+        "all_reduce": REPLICATED,
+        "all_gather": REPLICATED,
+        "reduce_scatter": partition(sync.axis),
+        "scatter": partition(sync.axis),
+    }[sync.op]
+
+
+def _first_tensor_index(args: tuple, kwargs: dict) -> tuple[str, Any]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return "arg", i
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "kw", "hidden_states"
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return "kw", k
+    raise SyncError("fwd_pre/bwd_post sync found no tensor input to apply to")
+
+
+class _PreHook:
+    """Applies a module's fwd_pre and bwd_post syncs to its first tensor input."""
+
+    def __init__(self, state: ModuleState):
+        self.state = state
+
+    def __call__(self, module, args, kwargs):
+        if not self.state.pre_syncs:
+            return None
+        where, key = _first_tensor_index(args, kwargs)
+        x = args[key] if where == "arg" else kwargs[key]
+        for s in self.state.pre_syncs:
+            x = s.apply(x)
+        if where == "arg":
+            args = (*args[:key], x, *args[key + 1 :])
+        else:
+            kwargs = {**kwargs, key: x}
+        return args, kwargs
+
+
+class _PostHook:
+    """Applies a module's fwd_post syncs to its output, then the bias of a row-parallel layer.
+
+    The bias is added after the reduction: added before, it would be summed once per rank.
+    """
+
+    def __init__(self, state: ModuleState):
+        self.state = state
+
+    def __call__(self, module, args, output):
+        st = self.state
+        if not st.post_syncs and not st.defers_bias:
+            return None
+        rest = None
+        if isinstance(output, (tuple, list)):
+            output, rest = output[0], output[1:]
+        for s in st.post_syncs:
+            _check_runtime_axis(s, st, output)
+            output = s.apply(output)
+        if st.defers_bias:
+            output = output + module.bias
+        return output if rest is None else (output, *rest)
+
+
+def _check_runtime_axis(sync: SyncSpec, state: ModuleState, out: torch.Tensor) -> None:
+    layout = state.output_layout
+    if (sync.op == "all_gather" and layout is not None and layout.kind == "partition"
+            and layout.axis % out.dim() != sync.axis % out.dim()):
+        raise SyncError(
+                f"all_gather along axis {sync.axis} but the output is partitioned along axis {layout.axis}"
+            )
+
+
+class _ScheduledForward:
+    """Instance-level ``forward`` of a module whose computation the schedule changed.
+
+    Patching the instance (instead of wrapping the module) keeps module paths and state-dict keys
+    identical to the unscheduled model.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        st: ModuleState = module._slapo
+        if st.compute is not None:
+            fn = functools.partial(st.compute, module)
+        else:
+            fn = type(module).forward.__get__(module)
+        if st.forks_rng:
+            fn = functools.partial(_forked_rng_call, fn, st.rng_group)
+        if st.checkpointed and torch.is_grad_enabled():
+            # Non-reentrant checkpointing supports keyword inputs and replays the RNG state, so
+            # dropout masks are identical in the recomputation.
+            return torch.utils.checkpoint.checkpoint(
+                fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+            )
+        return fn(*args, **kwargs)
+
+
+def _forked_rng_call(fn: Callable, group: ProcessGroup | None, *args, **kwargs):
+    # The seed is drawn from the global generator, so all ranks draw the same number and a
+    # checkpoint recomputation (which restores the global state) draws it again.
+    base = int(torch.randint(0, 2**62, (1,)).item())
+    seed = (base + 1_000_003 * (_comm.group_rank(group) + 1)) % 2**63
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return fn(*args, **kwargs)
+
+
+def _ensure_forward_patched(module: nn.Module) -> None:
+    if not isinstance(module.__dict__.get("forward"), _ScheduledForward):
+        module.forward = _ScheduledForward(module)
+
+
+def _ensure_hooks(module: nn.Module, state: ModuleState) -> None:
+    if not state.hooks_installed:
+        module.register_forward_pre_hook(_PreHook(state), with_kwargs=True)
+        module.register_forward_hook(_PostHook(state))
+        state.hooks_installed = True
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def _required_positional(fn: Callable) -> int:
+    params = inspect.signature(fn).parameters.values()
+    return sum(
+        1
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    )
+
+
+def _accepts_positional(fn: Callable, n: int) -> bool:
+    try:
+        inspect.signature(fn).bind_partial(*([None] * n))
+    except TypeError:
+        return False
+    return True
+
+
+class Schedule:
+    """A node of the schedule tree: one module, its path, and the primitives that apply to it.
+
+    Nodes are created by :func:`create_schedule`; index a node with a dotted path relative to it.
+    """
+
+    def __init__(self, module: nn.Module, name: str = "", path: str = "", parent: Schedule | None = None,
+                 group: ProcessGroup | None = None):
+        self.mod = module
+        self.name = name
+        self.path = path
+        self.parent = parent
+        self.group = group
+        self.child: dict[str, Schedule] = {}
+        self._build_children()
+
+    def _build_children(self) -> None:
+        self.child = {
+            name: Schedule(sub, name, f"{self.path}.{name}" if self.path else name, self, self.group)
+            for name, sub in self.mod.named_children()
+        }
+
+    # ------------------------------------------------------------------ tree
+    @property
+    def root(self) -> Schedule:
+        node = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    @property
+    def world_size(self) -> int:
+        """Size of this schedule's (tensor-parallel) process group."""
+        return _comm.group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the schedule's (tensor-parallel) process group."""
+        return _comm.group_rank(self.group)
+
+    def __getitem__(self, path: str) -> Schedule:
+        node = self
+        for part in path.split(".") if path else []:
+            if part not in node.child:
+                raise ScheduleKeyError(self._missing_path_message(path))
+            node = node.child[part]
+        return node
+
+    def __contains__(self, path: str) -> bool:
+        try:
+            self[path]
+        except ScheduleKeyError:
+            return False
+        return True
+
+    def _missing_path_message(self, path: str) -> str:
+        known = [p for p, _ in self.named_schedules() if p]
+        close = difflib.get_close_matches(path, known, n=3, cutoff=0.5)
+        where = f"under '{self.path}'" if self.path else "in the model"
+        hint = f"; closest valid paths: {', '.join(repr(c) for c in close)}" if close else ""
+        return f"no module '{path}' {where}{hint}"
+
+    def named_schedules(self, prefix: str = "") -> Iterator[tuple[str, Schedule]]:
+        """Yield ``(relative path, node)`` for this node and every descendant, parents first."""
+        yield prefix, self
+        for name, node in self.child.items():
+            yield from node.named_schedules(f"{prefix}.{name}" if prefix else name)
+
+    def find(self, pattern: str) -> list[Schedule]:
+        """Descendant nodes whose relative path fully matches the regular expression ``pattern``."""
+        regex = re.compile(pattern)
+        return [node for path, node in self.named_schedules() if path and regex.fullmatch(path)]
+
+    def __repr__(self) -> str:
+        return f"Schedule(path={self.path!r}, module={type(self.mod).__name__})"
+
+    # ------------------------------------------------------------ primitives
+    def replace(self, new_module: nn.Module) -> Schedule:
+        """Swap this node's module for ``new_module``, carrying its hooks and schedule state over.
+
+        The new module's ``forward`` must accept the inputs the old one required. Refused for the
+        root (use the new model directly) and for modules with sharded parameters (shard the new
+        module instead). Returns the new node.
+        """
+        if not isinstance(new_module, nn.Module):
+            raise ScheduleError(f"replace('{self.path}'): expected an nn.Module, got {type(new_module).__name__}")
+        if self.parent is None:
+            raise ScheduleError("replace(): cannot replace the root module; schedule the new model instead")
+        old = self.mod
+        state = state_of(old)
+        if state is not None and state.shards:
+            raise ScheduleError(
+                f"replace('{self.path}'): its parameters {sorted(state.shards)} are sharded; "
+                "replace the module before sharding it"
+            )
+        needed = _required_positional(type(old).forward) - 1  # minus self
+        if not _accepts_positional(new_module.forward, needed):
+            raise ScheduleError(
+                f"replace('{self.path}'): {type(new_module).__name__}.forward cannot take the {needed} "
+                f"positional input(s) that {type(old).__name__}.forward requires"
+            )
+        for name in _HOOK_DICTS:
+            getattr(new_module, name).update(getattr(old, name))
+        if state is not None:
+            new_module.__dict__["_slapo"] = state
+            if state.changes_forward:
+                _ensure_forward_patched(new_module)
+        setattr(self.parent.mod, self.name, new_module)
+        node = Schedule(new_module, self.name, self.path, self.parent, self.group)
+        self.parent.child[self.name] = node
+        return node
+
+    def replace_all(self, module_type: type[nn.Module], make_fn: Callable[[nn.Module], nn.Module]) -> int:
+        """Replace every descendant of type ``module_type`` by ``make_fn(old_module)``; returns the count."""
+        targets = [node for path, node in self.named_schedules() if path and isinstance(node.mod, module_type)]
+        outermost = [n for n in targets if not any(n.path.startswith(t.path + ".") for t in targets)]
+        replacements = [(node, make_fn(node.mod)) for node in outermost]
+        for node, new in replacements:
+            node.replace(new)
+        return len(replacements)
+
+    def _owners(self, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:
+        """Every (module, attribute) in the whole model that holds ``tensor`` (ties included)."""
+        return [
+            (m, n)
+            for m in self.root.mod.modules()
+            for n, p in m._parameters.items()
+            if p is tensor
+        ]
+
+    def shard(self, param_names: str | Sequence[str], axis: int, *, num_fused: int = 1) -> None:
+        """Keep this rank's 1/world_size slice of parameter(s) along ``axis``.
+
+        The module's size attributes follow (for ``Linear``, ``Conv1D``, ``Embedding``), and the
+        layouts of its input and output are inferred: sharding the output features makes the output
+        a partition; sharding the input features makes it partial (sum it with
+        ``sync("fwd_post", "all_reduce")``); sharding an embedding's vocabulary masks foreign ids
+        and makes the output partial. Tied parameters are sharded once, for every module holding
+        them. ``num_fused`` splits a fused axis (e.g. QKV = 3 blocks) block by block.
+        """
+        names = [param_names] if isinstance(param_names, str) else list(param_names)
+        if num_fused < 1:
+            raise ShardingError(f"shard('{self.path}'): num_fused must be >= 1, got {num_fused}")
+        size, rank = self.world_size, self.rank
+        plans = []
+        for name in names:
+            param = self.mod._parameters.get(name)
+            if param is None:
+                have = ", ".join(repr(n) for n, p in self.mod.named_parameters(recurse=False)) or "none"
+                raise ShardingError(
+                    f"shard('{self.path}'): {type(self.mod).__name__} has no parameter '{name}' (parameters: {have})"
+                )
+            if not -param.dim() <= axis < param.dim():
+                raise ShardingError(
+                    f"shard('{self.path}.{name}'): axis {axis} is out of range for a {param.dim()}-d parameter"
+                )
+            ax = axis % param.dim()
+            owners = self._owners(param)
+            for m, n in owners:
+                st = state_of(m)
+                if st is not None and n in st.shards:
+                    tied = "" if m is self.mod else " (it is tied to a parameter sharded elsewhere)"
+                    raise ShardingError(f"shard('{self.path}.{name}'): already sharded{tied}; shard a parameter once")
+            if param.shape[ax] % (size * num_fused):
+                raise ShardingError(
+                    f"shard('{self.path}.{name}'): dimension {ax} of size {param.shape[ax]} is not divisible "
+                    f"by {size * num_fused} (tensor-parallel size {size}"
+                    + (f" x {num_fused} fused blocks)" if num_fused > 1 else ")")
+                )
+            spec = ShardSpec(ax, tuple(param.shape), size, rank, num_fused, self.group)
+            effects = []
+            for m, n in owners:
+                st = state_of(m) or ModuleState()
+                effects.append((m, n, rule_for(m).effect(m, n, ax, size, {**st.shards, n: spec})))
+            plans.append((param, spec, effects))
+        for param, spec, effects in plans:
+            if param.device.type == "meta":
+                data = torch.empty(spec.local_shape, dtype=param.dtype, device="meta")
+            else:
+                data = spec.take(param.detach())
+            new_param = nn.Parameter(data, requires_grad=param.requires_grad)
+            for m, n, eff in effects:
+                st = state_of(m, create=True)
+                m._parameters[n] = new_param
+                st.shards[n] = spec
+                for attr, value in eff.attrs.items():
+                    setattr(m, attr, value)
+                st.input_layout = eff.input_layout or st.input_layout
+                st.output_layout = eff.output_layout or st.output_layout
+                if eff.compute is not None:
+                    st.compute = eff.compute
+                    _ensure_forward_patched(m)
+                if eff.defers_bias:
+                    st.defers_bias = True
+                    _ensure_hooks(m, st)
+
+    def is_sharded(self, param_name: str) -> bool:
+        """Whether ``param_name`` of this module is sharded (directly or through a tie)."""
+        st = state_of(self.mod)
+        return st is not None and param_name in st.shards
+
+    def sync(self, mode: str, op: str | Callable = "all_reduce", *, axis: int = -1) -> None:
+        """Attach a communication to this module's boundary.
+
+        ``mode``: ``"fwd_pre"`` (on the first tensor input, forward), ``"fwd_post"`` (on the output,
+        forward; on the first element of a tuple output) or ``"bwd_post"`` (on the gradient of the
+        first tensor input, i.e. after this module's backward). ``op``: ``"all_reduce"``,
+        ``"all_gather"``, ``"reduce_scatter"``, ``"scatter"`` (each with its conjugate backward), or a
+        callable ``fn(tensor, group) -> tensor``. A sync that contradicts the inferred layout is
+        refused: an all-reduce of a partitioned output, an all-gather of a partial one, ...
+        """
+        if mode not in SYNC_MODES:
+            raise SyncError(f"sync('{self.path}'): mode must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
+        if not callable(op) and op not in SYNC_OPS:
+            raise SyncError(
+                f"sync('{self.path}'): op must be one of {', '.join(SYNC_OPS)} or a callable, got {op!r}"
+            )
+        if mode == "bwd_post" and not callable(op) and op != "all_reduce":
+            raise SyncError(
+                f"sync('{self.path}', 'bwd_post'): only all_reduce (or a callable) applies to input gradients; "
+                f"for {op} use fwd_pre, whose backward is the conjugate"
+            )
+        spec = SyncSpec(mode, op, axis, self.group)
+        st = state_of(self.mod) or ModuleState()
+        if not callable(op):
+            self._check_sync_layout(spec, st)
+        st = state_of(self.mod, create=True)
+        (st.post_syncs if mode == "fwd_post" else st.pre_syncs).append(spec)
+        _ensure_hooks(self.mod, st)
+
+    def _check_sync_layout(self, s: SyncSpec, st: ModuleState) -> None:
+        where = f"sync('{self.path}', '{s.mode}', '{s.op}')"
+        if s.mode == "fwd_post":
+            layout = st.synced_output_layout
+            wanted = {
+                "all_reduce": ("partial",),
+                "reduce_scatter": ("partial",),
+                "all_gather": ("partition",),
+                "scatter": ("replicated",),
+            }[s.op]
+            if layout is not None and layout.kind not in wanted:
+                raise SyncError(f"{where}: the output is {layout}, so {s.op} would be wrong (it needs a {wanted[0]} tensor)")
+            if (s.op == "all_gather" and layout is not None and layout.axis is not None
+                    and s.axis < 0 and layout.axis < 0 and s.axis != layout.axis):
+                raise SyncError(f"{where}: the output is partitioned along axis {layout.axis}, not {s.axis}")
+            return
+        expected = st.input_layout
+        if expected is None:
+            return
+        if s.mode == "bwd_post":
+            if expected.kind == "partition":
+                raise SyncError(
+                    f"{where}: the input is {expected}, so its gradient is partitioned too; "
+                    "an all-reduce would sum different slices"
+                )
+            return
+        produces = _layout_after(s, None)
+        if produces is not None and produces.kind != expected.kind:
+            raise SyncError(f"{where}: the module expects a {expected} input, but {s.op} produces a {produces} one")
+
+    def checkpoint(self) -> None:
+        """Recompute this module's activations in backward instead of keeping them.
+
+        Non-reentrant (keyword inputs work, e.g. Hugging Face layers), and the RNG state is
+        replayed, so dropout masks in the recomputation equal the first ones: results are exact.
+        """
+        if isinstance(self.mod, nn.ModuleList | nn.ModuleDict):
+            raise ScheduleError(
+                f"checkpoint('{self.path}'): a {type(self.mod).__name__} has no forward; checkpoint its children"
+            )
+        st = state_of(self.mod)
+        if st is not None and st.checkpointed:
+            raise ScheduleError(f"checkpoint('{self.path}'): already checkpointed")
+        st = state_of(self.mod, create=True)
+        st.checkpointed = True
+        _ensure_forward_patched(self.mod)
+
+    def fork_rng(self) -> None:
+        """Give each tensor-parallel rank its own dropout stream inside this module.
+
+        Use it where activations are partitioned (attention heads): replicated masks there would
+        make the ranks drop the same positions of different heads. Safe under checkpointing.
+        """
+        st = state_of(self.mod)
+        if st is not None and st.forks_rng:
+            raise ScheduleError(f"fork_rng('{self.path}'): already forked")
+        st = state_of(self.mod, create=True)
+        st.forks_rng, st.rng_group = True, self.group
+        _ensure_forward_patched(self.mod)
+
+    def annotate(self, param_name: str, key: str, value: Any) -> None:
+        """Tag a parameter; tags survive sharding and the re-creation of the parameter by ``build``."""
+        if param_name not in self.mod._parameters:
+            raise ScheduleError(f"annotate('{self.path}'): {type(self.mod).__name__} has no parameter '{param_name}'")
+        st = state_of(self.mod, create=True)
+        st.annotations.setdefault(param_name, {})[key] = value
+
+    def get_annotation(self, param_name: str, key: str, default: Any = None) -> Any:
+        """A tag set by :meth:`annotate`, or ``default``."""
+        st = state_of(self.mod)
+        return default if st is None else st.annotations.get(param_name, {}).get(key, default)
+
+    def set_attr(self, name: str, value: Any) -> None:
+        """Overwrite a plain attribute of the module (e.g. a head count divided by tensor parallelism)."""
+        if name not in self.mod.__dict__ or isinstance(getattr(self.mod, name), nn.Module | torch.Tensor):
+            raise ScheduleError(
+                f"set_attr('{self.path}'): {type(self.mod).__name__} has no plain attribute '{name}'"
+            )
+        setattr(self.mod, name, value)
+
+
+def create_schedule(model: nn.Module, group: ProcessGroup | None = None) -> Schedule:
+    """Build the schedule tree of ``model``.
+
+    ``group`` is the tensor-parallel process group the primitives shard and communicate over
+    (default: the whole world when torch.distributed is initialised, else a single process).
+    The model is not modified until a primitive is applied.
+    """
+    if not isinstance(model, nn.Module):
+        raise ScheduleError(f"create_schedule(): expected an nn.Module, got {type(model).__name__}")
+    return Schedule(model, group=group)
+
+
+__all__ = ["Schedule", "create_schedule", "state_of", "ModuleState", "SyncSpec", "Layout", "PARTIAL"]

@@ -1,0 +1,289 @@
+"""``verify``: does the scheduled model compute what the unscheduled one computes?
+
+Both models run one forward and backward on the same inputs. Compared, in this order: the output
+of every module (in execution order, so the report names the *first* module that diverges; a
+partitioned output is gathered first), the loss, the model output, and the gradient of every
+parameter (sharded gradients are reassembled from all ranks). Dropout is off during the check
+(``deterministic=True``): a sharded computation draws its masks in a different order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._build import build, materialize
+from ._comm import all_gather_tensor
+from ._schedule import Schedule, state_of
+from .errors import VerificationError
+
+DEFAULT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-7, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclass
+class Divergence:
+    where: str
+    error: float
+    hint: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.where}: relative error {self.error:.3g}" + (f" ({self.hint})" if self.hint else "")
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` measured; ``ok`` is False when anything exceeds ``tolerance``."""
+
+    loss: float
+    reference_loss: float
+    tolerance: float
+    loss_error: float = 0.0
+    output_error: float | None = None
+    max_grad_error: float = 0.0
+    max_grad_param: str = ""
+    params_compared: int = 0
+    modules_compared: int = 0
+    modules_skipped: int = 0
+    first_divergent_module: Divergence | None = None
+    first_divergent_param: Divergence | None = None
+    missing_grads: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        errors = [self.loss_error, self.max_grad_error, self.output_error or 0.0]
+        return (all(e <= self.tolerance for e in errors) and self.first_divergent_module is None
+                and not self.missing_grads)
+
+    def __str__(self) -> str:
+        lines = [
+            f"verify: {'OK' if self.ok else 'FAILED'} (tolerance {self.tolerance:g}, relative to each tensor's max)",
+            f"  loss {self.loss:.6f} vs reference {self.reference_loss:.6f} (relative error {self.loss_error:.3g})",
+        ]
+        if self.output_error is not None:
+            lines.append(f"  model output: relative error {self.output_error:.3g}")
+        lines.append(
+            f"  gradients: {self.params_compared} parameters, max relative error {self.max_grad_error:.3g}"
+            + (f" at {self.max_grad_param}" if self.max_grad_param else "")
+        )
+        lines.append(f"  module outputs compared: {self.modules_compared} (partitioned, not comparable: {self.modules_skipped})")
+        if self.first_divergent_module:
+            lines.append(f"  first divergent module: {self.first_divergent_module}")
+        if self.first_divergent_param:
+            lines.append(f"  first divergent parameter: {self.first_divergent_param}")
+        if self.missing_grads:
+            lines.append(f"  parameters without a gradient (reference has one): {', '.join(self.missing_grads[:5])}")
+        return "\n".join(lines)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor, floor: float = 1e-5) -> float:
+    """max|value - reference| / max(max|reference|, floor), in float64.
+
+    The floor keeps tensors that are zero in theory (a key bias's gradient is ~1e-10 of rounding
+    noise) from reporting huge relative errors.
+    """
+    value, reference = value.detach().double(), reference.detach().double()
+    if value.shape != reference.shape:
+        return float("inf")
+    scale = max(reference.abs().max().item() if reference.numel() else 0.0, floor)
+    diff = (value - reference).abs().max().item() if reference.numel() else 0.0
+    return diff / scale
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+def _full_output(module: nn.Module, out: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The output as the unscheduled module would produce it, if the layout allows (else a hint)."""
+    st = state_of(module)
+    if st is None:
+        return out, ""
+    layout = st.synced_output_layout
+    if layout is None or layout.kind == "replicated":
+        return out, ""
+    if layout.kind == "partial":
+        return out, "output is partial (not summed over the tensor-parallel group): missing sync('fwd_post', 'all_reduce')?"
+    spec = next(iter(st.shards.values()), None)
+    if spec is None:
+        return out, ""
+    gathered = all_gather_tensor(out, layout.axis, spec.group)
+    weight = st.shards.get("weight")
+    if weight is not None:
+        gathered = weight.interleave(gathered, layout.axis % out.dim())
+    return gathered, ""
+
+
+@contextlib.contextmanager
+def _capture_outputs(model: nn.Module, store: dict[str, torch.Tensor], order: list[str],
+                     transform: Callable | None = None) -> Iterator[dict[str, bool]]:
+    flag = {"on": True}
+    handles = []
+
+    def make(path: str):
+        def hook(module, args, output):
+            if not flag["on"] or path in store:
+                return None
+            t = _first_tensor(output)
+            if t is None or not t.is_floating_point():
+                return None
+            store[path] = transform(module, path, t) if transform else (t.detach().clone(), "")
+            order.append(path)
+            return None
+
+        return hook
+
+    for path, module in model.named_modules():
+        if path:
+            handles.append(module.register_forward_hook(make(path)))
+    try:
+        yield flag
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _eval_mode(*models: nn.Module) -> Iterator[None]:
+    modes = [[(m, m.training) for m in model.modules()] for model in models]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for saved in modes:
+            for m, training in saved:
+                m.training = training
+
+
+def _run(model: nn.Module, inputs: Any, loss_fn: Callable | None, seed: int) -> tuple[torch.Tensor, Any]:
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    output = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
+    if loss_fn is not None:
+        loss = loss_fn(output)
+    elif getattr(output, "loss", None) is not None:
+        loss = output.loss
+    else:
+        raise VerificationError("the model returned no loss: pass labels in the inputs or a loss_fn")
+    loss.backward()
+    return loss.detach(), output
+
+
+def _param_owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_path, _, param = name.rpartition(".")
+    return (model.get_submodule(module_path) if module_path else model), param
+
+
+def verify(
+    model: nn.Module | Schedule,
+    reference: nn.Module,
+    inputs: Mapping[str, Any] | tuple,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    tolerance: float | None = None,
+    seed: int = 0,
+    deterministic: bool = True,
+    raise_on_failure: bool = True,
+) -> VerifyReport:
+    """Compare a scheduled model with its unscheduled ``reference`` on ``inputs``.
+
+    ``model`` may be a built module or a :class:`Schedule` (built here with ``seed``); a
+    ``reference`` on the meta device is materialised with the same ``seed``, so both hold the same
+    weights. Every rank must call ``verify`` (gathers are collectives). Returns a
+    :class:`VerifyReport`; raises :class:`VerificationError` with that report (on every rank) if
+    anything diverges beyond ``tolerance`` (default by dtype: 1e-4 for fp32, 2e-2 for bf16).
+    """
+    if isinstance(model, Schedule):
+        model = build(model, seed=seed)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    if any(t.device.type == "meta" for t in list(reference.parameters()) + list(reference.buffers())):
+        materialize(reference, seed=seed, device=device)
+    dtype = next(model.parameters()).dtype
+    tol = tolerance if tolerance is not None else DEFAULT_RTOL.get(dtype, 1e-4)
+
+    ref_out: dict[str, Any] = {}
+    ref_order: list[str] = []
+    out: dict[str, Any] = {}
+    order: list[str] = []
+    mode = _eval_mode(model, reference) if deterministic else contextlib.nullcontext()
+    with mode:
+        with _capture_outputs(reference, ref_out, ref_order) as flag:
+            ref_loss, ref_output = _run(reference, inputs, loss_fn, seed)
+            flag["on"] = False
+        with _capture_outputs(model, out, order, lambda m, p, t: _full_output(m, t)) as flag:
+            loss, output = _run(model, inputs, loss_fn, seed)
+            flag["on"] = False
+
+    report = VerifyReport(loss=loss.item(), reference_loss=ref_loss.item(), tolerance=tol)
+    report.loss_error = relative_error(loss, ref_loss)
+    for path in order:
+        if path not in ref_out:
+            continue
+        value, hint = out[path]
+        reference_value, _ = ref_out[path]
+        if value.shape != reference_value.shape and not hint:
+            # A module inside a parallel region (e.g. an activation between column- and row-parallel
+            # layers) legitimately holds a slice with no recorded layout; its consumers are compared.
+            report.modules_skipped += 1
+            continue
+        report.modules_compared += 1
+        err = relative_error(value, reference_value)
+        if err > tol and report.first_divergent_module is None:
+            report.first_divergent_module = Divergence(path, err, hint)
+    a, b = _first_tensor(output), _first_tensor(ref_output)
+    if a is not None and b is not None and a is not loss:
+        report.output_error = relative_error(a, b)
+
+    params = dict(model.named_parameters())
+    for name, ref_param in reference.named_parameters():
+        if ref_param.grad is None:
+            continue
+        param = params.get(name)
+        grad = None if param is None else param.grad
+        owner, short = _param_owner(model, name)
+        st = state_of(owner)
+        spec = st.shards.get(short) if st is not None else None
+        if grad is None:
+            report.missing_grads.append(name)
+            continue
+        full = spec.assemble(grad) if spec is not None else grad
+        err = relative_error(full, ref_param.grad)
+        report.params_compared += 1
+        if err > report.max_grad_error:
+            report.max_grad_error, report.max_grad_param = err, name
+        if err > tol and report.first_divergent_param is None:
+            report.first_divergent_param = Divergence(name, err)
+
+    ok = report.ok
+    if dist.is_available() and dist.is_initialized():
+        flag_t = torch.tensor([1.0 if ok else 0.0], device=device)
+        dist.all_reduce(flag_t, op=dist.ReduceOp.MIN)
+        ok = bool(flag_t.item() == 1.0)
+    if not ok and raise_on_failure:
+        raise VerificationError(str(report) if not report.ok else f"{report}\n  (another rank diverged)")
+    return report
+
+
+def reference_copy(model: nn.Module) -> nn.Module:
+    """An unscheduled copy of ``model`` to verify against (call before applying primitives)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    if state_of(ref) is not None or any(state_of(m) is not None for m in ref.modules()):
+        raise VerificationError("reference_copy(): the model is already scheduled; copy it before applying primitives")
+    return ref
+
+
+__all__ = ["verify", "VerifyReport", "reference_copy"]

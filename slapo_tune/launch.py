@@ -1,0 +1,165 @@
+"""Run a function on N local ranks, each in its own process, and always clean up.
+
+The parent hosts the rendezvous store on a port the OS picks (no free-port race), each rank runs
+in its own process group (so a rank's own children die with it), and the parent kills every rank
+it started, by PID, on timeout or as soon as one rank fails. Results come back over one pipe per
+rank, so a rank killed mid-write cannot corrupt the others' results.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from typing import Any
+
+from .errors import SlapoTuneError
+
+
+class RankFailure(SlapoTuneError, RuntimeError):
+    """A rank raised, died, or the ranks ran out of time."""
+
+    def __init__(self, message: str, *, rank: int | None = None, kind: str = "crash",
+                 exc_type: str = "", details: str = ""):
+        super().__init__(message)
+        self.rank, self.kind, self.exc_type, self.details = rank, kind, exc_type, details
+
+
+@dataclass
+class RankContext:
+    """What a rank function receives besides its arguments."""
+
+    rank: int
+    world_size: int
+    device: str
+
+
+def default_backend(world_size: int) -> str:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s):
+    os.setpgrp()  # our own process group: killing it takes any helper processes with it
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            result = fn(RankContext(rank, world_size, device), *args)
+        finally:
+            dist.destroy_process_group()
+        conn.send(("ok", rank, result))
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        conn.send(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 300.0,
+    backend: str | None = None,
+    threads_per_rank: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``world_size`` ranks; returns each rank's result, by rank.
+
+    ``fn`` must be importable by name (a module-level function). Raises :class:`RankFailure`
+    naming the first rank that failed, with its exception type and traceback, or ``kind="timeout"``
+    after ``timeout`` seconds. No rank process outlives this call.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    backend = backend or default_backend(world_size)
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    child_env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    ctx = get_context("spawn")
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, store.port, backend, tuple(args), child_end, threads, child_env, timeout),
+                name=f"slapo-rank-{rank}",
+            )
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+        return _collect(procs, conns, timeout)
+    finally:
+        _kill(procs)
+        for c in conns:
+            c.close()
+        del store
+
+
+def _collect(procs, conns, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    pending = {c: i for i, c in enumerate(conns)}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            ranks = sorted(pending.values())
+            raise RankFailure(f"timed out after {timeout:.0f} s waiting for rank(s) {ranks}", rank=ranks[0], kind="timeout")
+        ready = connection.wait(list(pending) + [procs[i].sentinel for i in pending.values()], timeout=remaining)
+        for obj in ready:
+            if obj in pending:
+                rank = pending.pop(obj)
+                try:
+                    msg = obj.recv()
+                except EOFError:
+                    msg = None
+                if msg is None:
+                    raise RankFailure(f"rank {rank} died without a result", rank=rank)
+                if msg[0] == "error":
+                    _, r, exc_type, text, tb = msg
+                    raise RankFailure(f"rank {r} raised {exc_type}: {text}", rank=r, exc_type=exc_type, details=tb)
+                results[rank] = msg[2]
+        for conn, rank in list(pending.items()):
+            proc = procs[rank]
+            if not proc.is_alive() and not conn.poll():
+                code = proc.exitcode
+                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                raise RankFailure(f"rank {rank} died ({how}) before reporting", rank=rank)
+    return [results[i] for i in range(len(procs))]
