@@ -192,9 +192,7 @@ def _check_runtime_axis(sync: SyncSpec, state: ModuleState, out: torch.Tensor) -
     layout = state.output_layout
     if (sync.op == "all_gather" and layout is not None and layout.kind == "partition"
             and layout.axis % out.dim() != sync.axis % out.dim()):
-        raise SyncError(
-                f"all_gather along axis {sync.axis} but the output is partitioned along axis {layout.axis}"
-            )
+        raise SyncError(f"all_gather along axis {sync.axis} but the output is partitioned along axis {layout.axis}")
 
 
 class _ScheduledForward:

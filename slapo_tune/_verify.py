@@ -181,6 +181,27 @@ def _run(model: nn.Module, inputs: Any, loss_fn: Callable | None, seed: int) -> 
     return loss.detach(), output
 
 
+def _check_same_inputs(inputs: Any, device: torch.device) -> None:
+    """Every rank must feed the same batch: different batches look exactly like a wrong schedule."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.numel():
+            t = v.detach().to(device=device, dtype=torch.float64).flatten()
+            weights = torch.arange(1, t.numel() + 1, device=device, dtype=torch.float64)
+            total += torch.stack([t.sum(), (t * weights).sum()])
+    lo, hi = total.clone(), total.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    if not torch.equal(lo, hi):
+        raise VerificationError(
+            "verify: the ranks were given different inputs; generate them from a fixed seed "
+            "(e.g. torch.Generator().manual_seed(0)) so every rank feeds the same batch"
+        )
+
+
 def _param_owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     module_path, _, param = name.rpartition(".")
     return (model.get_submodule(module_path) if module_path else model), param
@@ -212,6 +233,7 @@ def verify(
         materialize(reference, seed=seed, device=device)
     dtype = next(model.parameters()).dtype
     tol = tolerance if tolerance is not None else DEFAULT_RTOL.get(dtype, 1e-4)
+    _check_same_inputs(inputs, device)
 
     ref_out: dict[str, Any] = {}
     ref_order: list[str] = []

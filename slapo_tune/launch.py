@@ -151,15 +151,19 @@ def _collect(procs, conns, timeout: float) -> list[Any]:
                 except EOFError:
                     msg = None
                 if msg is None:
-                    raise RankFailure(f"rank {rank} died without a result", rank=rank)
+                    raise RankFailure(_death_message(procs[rank], rank), rank=rank)
                 if msg[0] == "error":
                     _, r, exc_type, text, tb = msg
                     raise RankFailure(f"rank {r} raised {exc_type}: {text}", rank=r, exc_type=exc_type, details=tb)
                 results[rank] = msg[2]
         for conn, rank in list(pending.items()):
-            proc = procs[rank]
-            if not proc.is_alive() and not conn.poll():
-                code = proc.exitcode
-                how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                raise RankFailure(f"rank {rank} died ({how}) before reporting", rank=rank)
+            if not procs[rank].is_alive() and not conn.poll():
+                raise RankFailure(_death_message(procs[rank], rank), rank=rank)
     return [results[i] for i in range(len(procs))]
+
+
+def _death_message(proc, rank: int) -> str:
+    proc.join(timeout=5)
+    code = proc.exitcode
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return f"rank {rank} died ({how}) before reporting"

@@ -1,0 +1,35 @@
+"""Helpers shared by tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+import slapo_tune as st
+from slapo_tune.parallelize import apply_checkpointing, apply_tensor_parallel
+
+FAMILIES = {"gpt2-tiny": "gpt2", "llama-tiny": "llama", "bert-tiny": "bert", "opt-tiny": "opt"}
+
+
+def token_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)  # includes the padding id
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def family_module(preset: str):
+    return importlib.import_module(f"search_spaces.{FAMILIES[preset]}")
+
+
+def blocks(sch: st.Schedule, preset: str) -> list[st.Schedule]:
+    node = sch[family_module(preset).BLOCKS]
+    return [node[name] for name in node.child]
+
+
+def tp_schedule(preset: str, ckpt_ratio: float = 0.0, **overrides) -> st.Schedule:
+    """A meta-device model scheduled with its family's tensor-parallel plan and checkpointing."""
+    sch = st.create_schedule(st.build_model(preset, **overrides))
+    apply_tensor_parallel(sch, family_module(preset).TP_PLAN)
+    apply_checkpointing(blocks(sch, preset), ckpt_ratio)
+    return sch

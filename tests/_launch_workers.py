@@ -1,0 +1,46 @@
+"""Rank functions for the launcher tests."""
+
+import os
+import signal
+import time
+
+
+def echo(ctx, value):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": ctx.rank, "world": ctx.world_size, "sum": t.item(), "value": value, "pid": os.getpid(),
+            "threads": torch.get_num_threads()}
+
+
+def raise_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad knob on rank 1")
+    time.sleep(60)
+
+
+def hang(ctx):
+    time.sleep(600)
+
+
+def sigkill_rank_zero(ctx):
+    if ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def different_inputs(ctx):
+    import torch
+
+    import slapo_tune as st
+
+    ref = st.build_model("gpt2-tiny")
+    model = st.build(st.create_schedule(st.build_model("gpt2-tiny")))
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(ctx.rank))
+    try:
+        st.verify(model, ref, {"input_ids": ids, "labels": ids})
+    except st.VerificationError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,71 @@
+"""Rank functions for the tensor-parallel tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+
+import slapo_tune as st
+from slapo_tune import _comm
+from slapo_tune.parallelize import apply_tensor_parallel
+
+from _helpers import FAMILIES, family_module, token_batch, tp_schedule
+
+
+def _verify_case(sch, preset):
+    ref = st.build_model(preset)
+    batch = token_batch(ref.config.vocab_size, batch=2, seq=24)
+    try:
+        report = st.verify(st.build(sch), ref, batch)
+        return {"ok": True, "report": str(report), "grad_error": report.max_grad_error,
+                "params": report.params_compared}
+    except st.VerificationError as exc:
+        return {"ok": False, "report": str(exc)}
+
+
+def _missing_sync_schedule():
+    """GPT-2 tensor parallelism with the MLP output reduction of block 1 forgotten."""
+    plan = dict(family_module("gpt2-tiny").TP_PLAN)
+    del plan["transformer.h.*.mlp.c_proj"]
+    sch = st.create_schedule(st.build_model("gpt2-tiny"))
+    apply_tensor_parallel(sch, plan)
+    for i in range(4):
+        node = sch[f"transformer.h.{i}.mlp.c_proj"]
+        node.shard("weight", 0)
+        if i != 1:
+            node.sync("fwd_post", "all_reduce")
+    return sch
+
+
+def _comm_checks(ctx):
+    r, w = ctx.rank, ctx.world_size
+    out = {}
+    x = torch.full((2, 2), float(r + 1), requires_grad=True)
+    y = _comm.reduce_fwd(x, None)
+    y.sum().backward()
+    out["reduce_fwd"] = (y[0, 0].item(), x.grad[0, 0].item())  # (sum of ranks, 1: not world-multiplied)
+    x = torch.ones(2, 2, requires_grad=True)
+    y = _comm.reduce_bwd(x, None)
+    (y * (r + 1)).sum().backward()
+    out["reduce_bwd"] = (y[0, 0].item(), x.grad[0, 0].item())
+    x = torch.full((2, 2), float(r), requires_grad=True)
+    y = _comm.gather(x, -1, None)
+    (y * torch.arange(2 * w, dtype=torch.float)).sum().backward()
+    out["gather"] = (tuple(y.shape), y[0].tolist(), x.grad[0].tolist())
+    x = torch.arange(2 * w, dtype=torch.float).repeat(2, 1).requires_grad_()
+    y = _comm.reduce_scatter(x, -1, None)
+    y.sum().backward()
+    out["reduce_scatter"] = (tuple(y.shape), y[0].tolist(), x.grad[0].tolist())
+    x = torch.arange(2 * w, dtype=torch.float).repeat(2, 1).requires_grad_()
+    y = _comm.scatter(x, -1, None)
+    (y * 3).sum().backward()
+    out["scatter"] = (y[0].tolist(), x.grad[0].tolist())
+    return out
+
+
+def run_tp_suite(ctx, ckpt_ratios):
+    results = {"comm": _comm_checks(ctx)}
+    for preset in FAMILIES:
+        for ratio in ckpt_ratios:
+            results[(preset, ratio)] = _verify_case(tp_schedule(preset, ckpt_ratio=ratio), preset)
+    results["missing_sync"] = _verify_case(_missing_sync_schedule(), "gpt2-tiny")
+    return results

@@ -1,0 +1,81 @@
+"""Test-session setup: offline Hugging Face, per-session temp dirs, and leak checks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+_SESSION_TMP = tempfile.mkdtemp(prefix="slapo-tune-tests-")
+os.environ["TMPDIR"] = _SESSION_TMP  # children (ranks, Ray) inherit a private temp dir
+tempfile.tempdir = _SESSION_TMP
+
+sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import helpers from this folder
+
+
+def pytest_configure(config):
+    # The multiprocessing resource tracker is a long-lived helper of this process, started by the
+    # first spawned rank; start it now so that it never counts as a process left behind by a test.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    try:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.add(int(entry))
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        pass
+    return found
+
+
+@pytest.fixture
+def no_leftover_children():
+    """Fails the test if it leaves a child process of the test runner behind."""
+    before = _children(os.getpid())
+    yield
+    import time
+
+    deadline = time.monotonic() + 5
+    left = _children(os.getpid()) - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = {p for p in left if os.path.exists(f"/proc/{p}")} - before
+    assert not left, f"child processes left behind: {sorted(left)}"
+
+
+@pytest.fixture
+def fake_group():
+    """An in-process 'fake' process group of 2 ranks: shapes and errors, no communication."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(rank: int = 0, world_size: int = 2):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    init()
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)

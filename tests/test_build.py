@@ -1,0 +1,105 @@
+import pytest
+import torch
+from torch import nn
+
+import slapo_tune as st
+import slapo_tune._build as build_mod
+
+from _helpers import token_batch, tp_schedule
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"])
+def test_materialize_is_deterministic_and_runs(name):
+    a = st.build(st.create_schedule(st.build_model(name)), seed=3)
+    b = st.build(st.create_schedule(st.build_model(name)), seed=3)
+    c = st.build(st.create_schedule(st.build_model(name)), seed=4)
+    wa, wb, wc = _weights(a), _weights(b), _weights(c)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+    assert all(t.device.type == "cpu" for t in wa.values())
+    out = a(**token_batch(a.config.vocab_size))
+    assert torch.isfinite(out.loss)
+
+
+def test_materialize_follows_the_model_init_rules():
+    model = st.build(st.create_schedule(st.build_model("gpt2-tiny")), seed=0)
+    h0 = model.transformer.h[0]
+    assert torch.equal(h0.ln_1.weight, torch.ones_like(h0.ln_1.weight))
+    assert torch.equal(h0.attn.c_attn.bias, torch.zeros_like(h0.attn.c_attn.bias))
+    std = h0.mlp.c_fc.weight.std().item()
+    assert 0.015 < std < 0.025  # initializer_range 0.02
+    # GPT-2's scaled init of the residual projections: 0.02 / sqrt(2 * n_layer)
+    assert h0.mlp.c_proj.weight.std().item() < 0.6 * std
+    assert model.lm_head.weight is model.transformer.wte.weight
+    llama = st.build(st.create_schedule(st.build_model("llama-tiny")))
+    inv_freq = llama.model.rotary_emb.inv_freq
+    assert torch.isfinite(inv_freq).all() and inv_freq[0].item() == 1.0
+
+
+def test_build_never_overwrites_real_weights():
+    model = st.build_model("gpt2-tiny", device="cpu")
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.fill_(0.125)
+    before = _weights(model)
+    st.build(st.create_schedule(model), seed=9)
+    after = _weights(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_partially_real_model_keeps_its_real_part():
+    model = st.build_model("gpt2-tiny")
+    real = nn.Linear(64, 256)
+    with torch.no_grad():
+        real.weight.fill_(0.5)
+    model.transformer.h[1].mlp.c_fc = real
+    st.build(st.create_schedule(model))
+    assert torch.all(model.transformer.h[1].mlp.c_fc.weight == 0.5)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sharded_materialization_is_the_slice_of_the_full_tensor(fake_group, rank):
+    fake_group(rank=rank, world_size=2)
+    sharded = st.build(tp_schedule("gpt2-tiny"), seed=5)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    full = st.build(st.create_schedule(st.build_model("gpt2-tiny")), seed=5)
+    h = 64
+    qkv = full.transformer.h[0].attn.c_attn.weight  # [h, 3h] = [q | k | v]
+    mine = torch.cat([qkv[:, b * h + rank * h // 2: b * h + (rank + 1) * h // 2] for b in range(3)], dim=1)
+    assert torch.equal(sharded.transformer.h[0].attn.c_attn.weight, mine)
+    assert torch.equal(sharded.transformer.h[0].mlp.c_proj.weight, full.transformer.h[0].mlp.c_proj.weight.chunk(2, 0)[rank])
+    assert torch.equal(sharded.transformer.wte.weight, full.transformer.wte.weight.chunk(2, 0)[rank])
+    assert sharded.lm_head.weight is sharded.transformer.wte.weight
+    assert torch.equal(sharded.transformer.h[0].ln_1.weight, full.transformer.h[0].ln_1.weight)
+
+
+def test_small_units_give_the_same_weights_across_units_and_ties(monkeypatch):
+    monkeypatch.setattr(build_mod, "_UNIT_ELEMENTS", 5000)  # forces many units, the tie across two
+    units = list(build_mod._init_units(st.build_model("gpt2-tiny")))
+    assert len(units) > 10
+    a = st.build(st.create_schedule(st.build_model("gpt2-tiny")), seed=1)
+    b = st.build(st.create_schedule(st.build_model("gpt2-tiny")), seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.lm_head.weight is a.transformer.wte.weight
+
+
+class _NoInit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_meta_tensor_without_initializer_is_a_clear_error():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), _NoInit())
+    with pytest.raises(st.MaterializeError, match=r"_NoInit.scale is on the meta device and its initialiser did not set it"):
+        st.build(st.create_schedule(model))

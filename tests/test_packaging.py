@@ -1,0 +1,37 @@
+"""The two README commands exist, CI runs the test command, and only our packages are installed."""
+
+import re
+import tomllib
+from pathlib import Path
+
+from setuptools import find_packages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_only_the_three_packages_are_installed():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = conf["tool"]["setuptools"]["packages"]["find"]["include"]
+    top = {p.split(".")[0] for p in find_packages(where=str(ROOT), include=include)}
+    assert top == {"slapo_tune", "search_spaces", "runners"}
+
+
+def test_readme_commands_are_make_targets_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quickstart.*?```(?:sh|bash)?\n(.*?)```", readme, re.S)
+    assert block, "README needs a Quickstart code block"
+    commands = [c.strip() for c in block.group(1).splitlines() if c.strip() and not c.startswith("#")]
+    assert commands == ["make tune", "make test"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^tune:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    assert "torch==2.13.0" in makefile
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, re.M)
+
+
+def test_console_script_is_declared():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert conf["project"]["scripts"]["slapo-tune"] == "slapo_tune.cli:main"
+    deps = " ".join(conf["project"]["dependencies"])
+    for dep in ("torch", "transformers", "optuna", "ray[default]", "pandas"):
+        assert dep in deps

@@ -1,0 +1,54 @@
+"""Tensor parallelism + checkpointing give the unscheduled model's loss and gradients (gloo)."""
+
+import pytest
+
+from slapo_tune.launch import launch
+
+from _helpers import FAMILIES
+from _tp_workers import run_tp_suite
+
+RATIOS = (0.0, 0.5, 1.0)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def suite(request):
+    results = launch(run_tp_suite, request.param, args=(RATIOS,), timeout=600)
+    return request.param, results
+
+
+@pytest.mark.parametrize("preset", list(FAMILIES))
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_tensor_parallel_matches_unscheduled(suite, preset, ratio):
+    world, results = suite
+    for rank, res in enumerate(results):
+        case = res[(preset, ratio)]
+        assert case["ok"], f"rank {rank} of {world}:\n{case['report']}"
+        assert case["params"] > 20
+        assert case["grad_error"] < 1e-4
+
+
+def test_missing_sync_is_caught_and_named(suite):
+    world, results = suite
+    for res in results:
+        case = res["missing_sync"]
+        assert not case["ok"]
+        assert "first divergent module: transformer.h.1.mlp.c_proj" in case["report"]
+        assert "missing sync('fwd_post', 'all_reduce')" in case["report"]
+
+
+def test_collectives_have_conjugate_backwards(suite):
+    world, results = suite
+    total = sum(range(1, world + 1))
+    for rank, res in enumerate(results):
+        c = res["comm"]
+        assert c["reduce_fwd"] == (float(total), 1.0)  # the gradient is not multiplied by the world size
+        assert c["reduce_bwd"] == (1.0, float(total))
+        shape, row, grad = c["gather"]
+        assert shape == (2, 2 * world) and row == [float(r) for r in range(world) for _ in range(2)]
+        assert grad == [float(2 * rank), float(2 * rank + 1)]
+        shape, row, grad = c["reduce_scatter"]
+        assert shape == (2, 2) and row == [float(world * (2 * rank)), float(world * (2 * rank + 1))]
+        assert grad == [1.0] * (2 * world)
+        row, grad = c["scatter"]
+        assert row == [float(2 * rank), float(2 * rank + 1)]
+        assert grad == [3.0] * (2 * world)
