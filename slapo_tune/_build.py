@@ -18,7 +18,7 @@ from torch import nn
 
 from ._schedule import Schedule, state_of
 from ._sharding import rule_for
-from .errors import MaterializeError, ScheduleError
+from .errors import MaterializeError, PipelineError, ScheduleError
 
 _UNIT_ELEMENTS = 1 << 26  # ~256 MiB of fp32 per unit at full size
 
@@ -74,7 +74,9 @@ def _initializer(root: nn.Module, module_path: str) -> Callable[[nn.Module], Non
     owner = root if isinstance(root, PreTrainedModel) else None
     node = root
     for part in module_path.split(".") if module_path else []:
-        node = getattr(node, part)
+        node = getattr(node, part, None)
+        if node is None:
+            break
         if isinstance(node, PreTrainedModel):
             owner = node
     if owner is not None:
@@ -91,17 +93,17 @@ def _seed_for(seed: int, path: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
 
 
-def _post_order(module: nn.Module, whole: bool) -> list[nn.Module]:
+def _post_order(module: nn.Module, path: str, whole: bool) -> list[tuple[str, nn.Module]]:
     if not whole:
-        return [module]
-    order: list[nn.Module] = []
+        return [(path, module)]
+    order: list[tuple[str, nn.Module]] = []
 
-    def visit(m: nn.Module) -> None:
-        for c in m.children():
-            visit(c)
-        order.append(m)
+    def visit(m: nn.Module, p: str) -> None:
+        for name, c in m.named_children():
+            visit(c, f"{p}.{name}" if p else name)
+        order.append((p, m))
 
-    visit(module)
+    visit(module, path)
     return order
 
 
@@ -109,69 +111,102 @@ def _sentinel(t: torch.Tensor) -> float | int:
     return float("nan") if t.is_floating_point() or t.is_complex() else -(2**31) + 7
 
 
+INIT_OWNERS_ATTR = "_slapo_init_owners"
+
+
+def record_init_owners(model: nn.Module) -> None:
+    """Remember which module initialises each tensor, before modules are removed from ``model``.
+
+    A pipeline stage drops the modules of other stages; a tensor tied across stages (GPT-2's
+    embedding and LM head) must still be initialised by the module that initialises it in the full
+    model, or the stages would start from different weights.
+    """
+    owners: dict[int, tuple[str, nn.Module, str]] = model.__dict__.setdefault(INIT_OWNERS_ATTR, {})
+    for path, m in model.named_modules():
+        for name, t, _ in _direct_tensors(m):
+            owners.setdefault(id(t), (path, m, name))
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
     """Give every meta parameter and buffer of ``model`` its real value, in place.
 
-    Each unit is initialised at full size with the model's own initialiser (Hugging Face
-    ``_init_weights``, else ``reset_parameters``) under a seed derived from ``seed`` and its path;
-    sharded tensors then keep this rank's slice. Raises :class:`MaterializeError` for a tensor
-    that no initialiser wrote.
+    Every module is initialised by the model's own initialiser (Hugging Face ``_init_weights``,
+    else ``reset_parameters``) at full size under a seed derived from ``seed`` and *its own path*,
+    so a module's values do not depend on which other modules are present (pipeline stages) or
+    how they are sharded; sharded tensors then keep this rank's slice. A tensor held by several
+    modules (ties) takes the value written by the first of them in module order, as Hugging Face
+    ties do. Raises :class:`MaterializeError` for a tensor that no initialiser wrote.
     """
     if not _has_meta(model, recurse=True):
         return model
     device = torch.device(device) if device is not None else _default_device(model)
     owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}
-    for m in model.modules():
+    canonical: dict[int, tuple[str, nn.Module, str]] = dict(model.__dict__.get(INIT_OWNERS_ATTR, {}))
+    for path, m in model.named_modules():
         for name, t, is_param in _direct_tensors(m):
             owners.setdefault(id(t), []).append((m, name, is_param))
+            canonical.setdefault(id(t), (path, m, name))
+    present = {id(m) for m in model.modules()}
+    devices = [device.index or 0] if device.type == "cuda" else []
+
+    def fresh(t: torch.Tensor, shape) -> torch.Tensor:
+        return torch.full(shape, _sentinel(t), dtype=t.dtype, device=device)
 
     for unit_path, unit, whole in _init_units(model):
         if not _has_meta(unit, recurse=whole):
             continue
-        modules = _post_order(unit, whole)
-        originals: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
-        temps: dict[int, torch.Tensor] = {}
-        for m in modules:
+        modules = _post_order(unit, unit_path, whole)
+        saved: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+        kept: dict[int, torch.Tensor] = {}  # the temporary that will become each meta tensor
+
+        def install(m: nn.Module, name: str, is_param: bool, tmp: torch.Tensor, original: torch.Tensor,
+                    saved=saved) -> None:
+            saved.append((m, name, is_param, original))
+            if is_param:
+                m._parameters[name] = nn.Parameter(tmp, requires_grad=original.requires_grad)
+            else:
+                m._buffers[name] = tmp
+
+        detached: list[tuple[str, nn.Module]] = []
+        for _, m in modules:
             for name, t, is_param in _direct_tensors(m):
-                if id(t) not in temps:
-                    temps[id(t)] = torch.full(_full_shape(m, name, t), _sentinel(t), dtype=t.dtype, device=device)
-                tmp = temps[id(t)]
-                originals.append((m, name, is_param, t))
-                if is_param:
-                    m._parameters[name] = nn.Parameter(tmp, requires_grad=t.requires_grad)
-                else:
-                    m._buffers[name] = tmp
-        init = _initializer(model, unit_path)
-        devices = [device.index or 0] if device.type == "cuda" else []
+                shape = _full_shape(m, name, t)
+                owner_path, owner, owner_name = canonical[id(t)]
+                if t.device.type == "meta" and owner is m:
+                    install(m, name, is_param, kept.setdefault(id(t), fresh(t, shape)), t)
+                    continue
+                install(m, name, is_param, fresh(t, shape), t)  # written, then thrown away
+                if t.device.type == "meta" and id(owner) not in present and id(t) not in kept:
+                    # the module that initialises this tied tensor lives on another pipeline stage
+                    kept[id(t)] = fresh(t, shape)
+                    install(owner, owner_name, is_param, kept[id(t)], getattr(owner, owner_name))
+                    detached.append((owner_path, owner))
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(_seed_for(seed, unit_path))
-            for m in modules:
-                init(m)
-        done: dict[int, torch.Tensor] = {}
-        for m, name, is_param, original in originals:
-            if original.device.type != "meta":
-                (m._parameters if is_param else m._buffers)[name] = original
-                continue
-            if id(original) not in done:
-                full = temps[id(original)]
-                sentinel = _sentinel(original)
+            for path, m in detached + modules:
+                torch.manual_seed(_seed_for(seed, path))
+                _initializer(model, path)(m)
+        for m, name, is_param, original in reversed(saved):
+            (m._parameters if is_param else m._buffers)[name] = original
+        for path, m in modules:
+            for name, t, is_param in list(_direct_tensors(m)):
+                if id(t) not in kept:
+                    continue
+                full = kept.pop(id(t))
+                sentinel = _sentinel(t)
                 unwritten = full.isnan().any() if isinstance(sentinel, float) else (full == sentinel).any()
                 if bool(unwritten):
                     raise MaterializeError(
-                        f"{unit_path or 'model'}: {type(m).__name__}.{name} is on the meta device and its "
+                        f"{path or 'model'}: {type(m).__name__}.{name} is on the meta device and its "
                         "initialiser did not set it; build the model on a real device or give the module "
                         "reset_parameters()"
                     )
                 st = state_of(m)
                 spec = st.shards.get(name) if st is not None else None
                 value = spec.take(full) if spec is not None else full
-                done[id(original)] = (
-                    nn.Parameter(value, requires_grad=original.requires_grad) if is_param else value
-                )
-            new = done[id(original)]
-            for om, oname, o_is_param in owners.get(id(original), [(m, name, is_param)]):
-                (om._parameters if o_is_param else om._buffers)[oname] = new
+                new = nn.Parameter(value, requires_grad=t.requires_grad) if is_param else value
+                for om, oname, o_is_param in owners[id(t)]:
+                    (om._parameters if o_is_param else om._buffers)[oname] = new
     return model
 
 
@@ -199,17 +234,57 @@ def build(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    topology=None,
+    zero: int = 0,
 ) -> nn.Module:
     """The runnable model of a schedule.
 
-    Validates the schedule, materialises meta tensors (see :func:`materialize`), then moves the
-    model to ``device`` / ``dtype`` if given. Works the same on CPU (gloo) and CUDA (nccl).
+    Validates the schedule, keeps this rank's pipeline stage (when the schedule has cuts),
+    materialises meta tensors (see :func:`materialize`), moves the model to ``device`` / ``dtype``
+    and applies sharded data parallelism (``zero=3``). Works the same on CPU (gloo) and CUDA (nccl).
+
+    Without a ``topology`` the model itself is returned. With one (see
+    :func:`slapo_tune.topology.init_topology`) a :class:`~slapo_tune._pipeline.StageModule` is
+    returned, which :class:`slapo_tune.runtime.TrainStep` runs with micro-batching for any ``pp``.
     """
+    from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
+    from ._pipeline import StageInfo, StageModule, make_stage, plan_stages
+
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build(): expected a Schedule from create_schedule(), got {type(sch).__name__}")
+    if zero not in ZERO_STAGES:
+        raise ScheduleError(f"build(): zero must be one of {ZERO_STAGES} (0: replicated, 3: fully sharded), got {zero}")
     validate(sch)
+    plan = plan_stages(sch)
+    stages = plan.num_stages if plan is not None else 1
+    if topology is None:
+        if plan is not None:
+            raise PipelineError(
+                f"build(): the schedule cuts the model into {stages} pipeline stages; "
+                f"pass topology=init_topology(pp={stages}, ...)"
+            )
+        if zero:
+            raise ScheduleError("build(): zero=3 shards over data parallelism; pass a topology")
+    elif stages != topology.pp:
+        cuts = ", ".join(f"'{plan.block_path(last)}'" for _, last in plan.stages[:-1]) if plan else "none"
+        raise PipelineError(
+            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {cuts}) but pp={topology.pp}"
+        )
     model = sch.mod
+    info = make_stage(model, plan, topology.pp_rank) if plan is not None else StageInfo(0, 1, "", "")
     materialize(model, seed=seed, device=device)
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
-    return model
+    if topology is None:
+        return model
+    stage = StageModule(model, info, topology)
+    stage.__dict__["zero"] = zero
+    if zero == 3 and topology.dp > 1:
+        if plan is not None:
+            lo, hi = plan.stages[topology.pp_rank]
+            blocks = [model.get_submodule(plan.block_path(i)) for i in range(lo, hi + 1)]
+        else:
+            found = largest_module_list(model)
+            blocks = list(found[1]) if found else []
+        shard_data_parallel(stage, blocks, topology.dp_mesh())
+    return stage

@@ -20,9 +20,29 @@ unchanged at ``tp=1`` without any communication.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+_DISABLED = [False]
+
+
+@contextlib.contextmanager
+def communication_disabled() -> Iterator[None]:
+    """Make every schedule sync the identity (for shape-only dry runs under FakeTensorMode)."""
+    previous = _DISABLED[0]
+    _DISABLED[0] = True
+    try:
+        yield
+    finally:
+        _DISABLED[0] = previous
+
+
+def is_disabled() -> bool:
+    return _DISABLED[0]
 
 
 def group_size(group: ProcessGroup | None) -> int:

@@ -48,6 +48,8 @@ class SyncSpec:
         return clone
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if _comm.is_disabled():
+            return x
         if callable(self.op):
             if self.mode == "bwd_post":
                 return _BackwardCallable.apply(x, self.op, self.group)
@@ -88,6 +90,7 @@ class ModuleState:
     checkpointed: bool = False
     rng_group: ProcessGroup | None = field(default=None, repr=False)
     forks_rng: bool = False
+    cut_after: bool = False
     annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
     hooks_installed: bool = False
 
@@ -563,6 +566,17 @@ class Schedule:
         st = state_of(self.mod, create=True)
         st.forks_rng, st.rng_group = True, self.group
         _ensure_forward_patched(self.mod)
+
+    def cut_pipeline_stage(self) -> None:
+        """End a pipeline stage after this block (a child of the repeated block list).
+
+        ``k`` cuts make ``k + 1`` stages; :func:`slapo_tune.build` with a topology whose ``pp``
+        equals the stage count keeps this rank's stage.
+        """
+        from ._pipeline import check_cut
+
+        check_cut(self)
+        state_of(self.mod, create=True).cut_after = True
 
     def annotate(self, param_name: str, key: str, value: Any) -> None:
         """Tag a parameter; tags survive sharding and the re-creation of the parameter by ``build``."""

@@ -181,6 +181,35 @@ def _run(model: nn.Module, inputs: Any, loss_fn: Callable | None, seed: int) -> 
     return loss.detach(), output
 
 
+def _full_gradient(module_root: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The gradient as the unscheduled parameter would have it: FSDP shards gathered over dp,
+    tensor-parallel shards over tp (both collectives; every rank of the group calls in order)."""
+    grad = param.grad
+    if hasattr(grad, "full_tensor"):
+        grad = grad.full_tensor()
+    owner, short = _param_owner(module_root, name)
+    st = state_of(owner)
+    spec = st.shards.get(short) if st is not None else None
+    return spec.assemble(grad) if spec is not None else grad
+
+
+def _compare_gradients(model: nn.Module, reference: nn.Module, report: VerifyReport) -> None:
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        ref_param = ref_params.get(name)
+        if ref_param is None or ref_param.grad is None:
+            continue
+        if param.grad is None:
+            report.missing_grads.append(name)
+            continue
+        err = relative_error(_full_gradient(model, name, param), ref_param.grad)
+        report.params_compared += 1
+        if err > report.max_grad_error:
+            report.max_grad_error, report.max_grad_param = err, name
+        if err > report.tolerance and report.first_divergent_param is None:
+            report.first_divergent_param = Divergence(name, err)
+
+
 def _check_same_inputs(inputs: Any, device: torch.device) -> None:
     """Every rank must feed the same batch: different batches look exactly like a wrong schedule."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -217,17 +246,31 @@ def verify(
     seed: int = 0,
     deterministic: bool = True,
     raise_on_failure: bool = True,
+    n_microbatches: int = 1,
+    pipeline_schedule: str = "1f1b",
 ) -> VerifyReport:
     """Compare a scheduled model with its unscheduled ``reference`` on ``inputs``.
 
     ``model`` may be a built module or a :class:`Schedule` (built here with ``seed``); a
     ``reference`` on the meta device is materialised with the same ``seed``, so both hold the same
-    weights. Every rank must call ``verify`` (gathers are collectives). Returns a
+    weights. Every rank must call ``verify`` (gathers are collectives).
+
+    A model built with a topology (pipeline stages, data parallelism) runs one
+    :class:`~slapo_tune.runtime.TrainStep` on the global batch ``inputs`` with ``n_microbatches``
+    and ``pipeline_schedule``; its loss and every gradient of this rank's stage are compared with
+    the reference's full-batch step (module outputs are compared for pure tensor parallelism).
+    Returns a
     :class:`VerifyReport`; raises :class:`VerificationError` with that report (on every rank) if
     anything diverges beyond ``tolerance`` (default by dtype: 1e-4 for fp32, 2e-2 for bf16).
     """
     if isinstance(model, Schedule):
         model = build(model, seed=seed)
+    from ._pipeline import StageModule
+
+    if isinstance(model, StageModule):
+        return _verify_stage(model, reference, inputs, n_microbatches=n_microbatches,
+                             pipeline_schedule=pipeline_schedule, tolerance=tolerance, seed=seed,
+                             deterministic=deterministic, raise_on_failure=raise_on_failure)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     if any(t.device.type == "meta" for t in list(reference.parameters()) + list(reference.buffers())):
         materialize(reference, seed=seed, device=device)
@@ -268,26 +311,13 @@ def verify(
     if a is not None and b is not None and a is not loss:
         report.output_error = relative_error(a, b)
 
-    params = dict(model.named_parameters())
-    for name, ref_param in reference.named_parameters():
-        if ref_param.grad is None:
-            continue
-        param = params.get(name)
-        grad = None if param is None else param.grad
-        owner, short = _param_owner(model, name)
-        st = state_of(owner)
-        spec = st.shards.get(short) if st is not None else None
-        if grad is None:
-            report.missing_grads.append(name)
-            continue
-        full = spec.assemble(grad) if spec is not None else grad
-        err = relative_error(full, ref_param.grad)
-        report.params_compared += 1
-        if err > report.max_grad_error:
-            report.max_grad_error, report.max_grad_param = err, name
-        if err > tol and report.first_divergent_param is None:
-            report.first_divergent_param = Divergence(name, err)
+    _compare_gradients(model, reference, report)
 
+    return _conclude(report, device, raise_on_failure)
+
+
+def _conclude(report: VerifyReport, device: torch.device, raise_on_failure: bool) -> VerifyReport:
+    """All ranks agree: if any diverged, every rank raises (with its own report)."""
     ok = report.ok
     if dist.is_available() and dist.is_initialized():
         flag_t = torch.tensor([1.0 if ok else 0.0], device=device)
@@ -296,6 +326,29 @@ def verify(
     if not ok and raise_on_failure:
         raise VerificationError(str(report) if not report.ok else f"{report}\n  (another rank diverged)")
     return report
+
+
+def _verify_stage(model, reference: nn.Module, inputs: Mapping[str, Any], *, n_microbatches: int,
+                  pipeline_schedule: str, tolerance: float | None, seed: int, deterministic: bool,
+                  raise_on_failure: bool) -> VerifyReport:
+    from .runtime import TrainStep
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if any(t.device.type == "meta" for t in list(reference.parameters()) + list(reference.buffers())):
+        materialize(reference, seed=seed, device=device)
+    dtype = next(model.parameters()).dtype
+    tol = tolerance if tolerance is not None else DEFAULT_RTOL.get(dtype, 1e-4)
+    _check_same_inputs(inputs, device)
+    step = TrainStep(model, n_microbatches=n_microbatches, schedule=pipeline_schedule)
+    mode = _eval_mode(model, reference) if deterministic else contextlib.nullcontext()
+    with mode:
+        ref_loss, _ = _run(reference, {k: v.to(device) for k, v in inputs.items()}, None, seed)
+        torch.manual_seed(seed)
+        loss = step(inputs)
+    report = VerifyReport(loss=loss, reference_loss=ref_loss.item(), tolerance=tol)
+    report.loss_error = relative_error(torch.tensor(loss), ref_loss.cpu())
+    _compare_gradients(model.model, reference, report)
+    return _conclude(report, device, raise_on_failure)
 
 
 def reference_copy(model: nn.Module) -> nn.Module:

@@ -1,0 +1,322 @@
+"""Pipeline stages cut from the unmodified model, without tracing it.
+
+Each stage keeps the *whole* model object and runs its own ``forward``: blocks of other stages are
+replaced by pass-throughs, modules with parameters that run before the first block (embeddings)
+are replaced on later stages by stubs producing zeros of the right shape, and modules that run
+after the last block (final norm, head) are dropped on earlier stages. On a later stage the
+received hidden state is substituted for the input of its first block; on an earlier stage the
+forward stops right after its last block. So the model's own code computes masks, positions and
+rotary embeddings on every stage; only the hidden state crosses stages, any micro-batch shape
+works, and per-block checkpointing survives (export-traced stages freeze shapes and drop it).
+
+Which modules run before / after the blocks is learned from one forward pass under
+``FakeTensorMode`` (no memory, no compute, communication disabled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import _comm
+from ._build import record_init_owners
+from ._schedule import Schedule, state_of
+from .errors import PipelineError
+
+
+@dataclass
+class StagePlan:
+    """Which blocks of the repeated block list each stage runs."""
+
+    blocks_path: str
+    block_names: list[str]
+    stages: list[tuple[int, int]]  # inclusive (first, last) block index per stage
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def block_path(self, index: int) -> str:
+        return f"{self.blocks_path}.{self.block_names[index]}"
+
+
+def cut_nodes(sch: Schedule) -> list[Schedule]:
+    return [node for _, node in sch.named_schedules() if getattr(state_of(node.mod), "cut_after", False)]
+
+
+def plan_stages(sch: Schedule) -> StagePlan | None:
+    """The stages the schedule's ``cut_pipeline_stage`` marks define (None when there are no cuts)."""
+    cuts = cut_nodes(sch)
+    if not cuts:
+        return None
+    parent = cuts[0].parent
+    names = list(parent.child)
+    index = sorted(names.index(node.name) for node in cuts)
+    if index[-1] == len(names) - 1:
+        raise PipelineError(
+            f"cut_pipeline_stage('{parent.child[names[-1]].path}'): a cut after the last block leaves the "
+            "last stage with no blocks"
+        )
+    stages, start = [], 0
+    for i in index:
+        stages.append((start, i))
+        start = i + 1
+    stages.append((start, len(names) - 1))
+    return StagePlan(parent.path, names, stages)
+
+
+def check_cut(node: Schedule) -> None:
+    """Refuse a cut that cannot define stages (raised by ``Schedule.cut_pipeline_stage``)."""
+    if node.parent is None:
+        raise PipelineError("cut_pipeline_stage(): cannot cut at the root; cut after a block of the block list")
+    if not isinstance(node.parent.mod, nn.ModuleList):
+        raise PipelineError(
+            f"cut_pipeline_stage('{node.path}'): stages end after a block of a repeated block list "
+            f"(nn.ModuleList), but '{node.parent.path}' is a {type(node.parent.mod).__name__}"
+        )
+    st = state_of(node.mod)
+    if st is not None and getattr(st, "cut_after", False):
+        raise PipelineError(f"cut_pipeline_stage('{node.path}'): already cut here")
+    others = [n for n in cut_nodes(node.root) if n.parent is not node.parent]
+    if others:
+        raise PipelineError(
+            f"cut_pipeline_stage('{node.path}'): all cuts must be in one block list, "
+            f"but '{others[0].path}' is already cut"
+        )
+    names = list(node.parent.child)
+    if names.index(node.name) == len(names) - 1:
+        raise PipelineError(
+            f"cut_pipeline_stage('{node.path}'): a cut after the last block leaves the last stage with no blocks"
+        )
+
+
+class _StageExit(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("stage finished")
+        self.hidden = hidden
+
+
+class _Skip(nn.Module):
+    """A block of another stage: passes the hidden state through, in the block's output format."""
+
+    def __init__(self, tuple_len: int | None):
+        super().__init__()
+        self.tuple_len = tuple_len
+
+    def forward(self, *args, **kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+        if self.tuple_len is None:
+            return hidden
+        return (hidden,) + (None,) * (self.tuple_len - 1)
+
+
+class _ZerosStub(nn.Module):
+    """A module of the first stage seen from a later one: zeros of the shape it would produce."""
+
+    def __init__(self, path: str, prefix_dims: int, tail: tuple[int, ...], dtype: torch.dtype):
+        super().__init__()
+        self.path, self.prefix_dims, self.tail, self.dtype = path, prefix_dims, tail, dtype
+
+    def forward(self, *args, **kwargs):
+        x = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+        return torch.zeros(*x.shape[: self.prefix_dims], *self.tail, dtype=self.dtype, device=x.device)
+
+
+class _Absent(nn.Module):
+    """A module that runs after this stage's last block: never reached on this stage."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError(f"'{self.path}' belongs to a later pipeline stage but was called on this one")
+
+
+@dataclass
+class _Call:
+    order: int
+    input_shape: tuple[int, ...] | None = None
+    input_is_int: bool = False
+    output_shape: tuple[int, ...] | None = None
+    output_dtype: torch.dtype | None = None
+    output_tuple_len: int | None = None
+
+
+@contextlib.contextmanager
+def _recorded_calls(model: nn.Module):
+    calls: dict[str, _Call] = {}
+    counter = [0]
+    handles = []
+    for path, m in model.named_modules():
+        if not path:
+            continue
+
+        def pre(mod, args, kwargs, path=path):
+            if path not in calls:
+                x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+                calls[path] = _Call(counter[0], tuple(x.shape) if x is not None else None,
+                                    x is not None and not x.is_floating_point())
+                counter[0] += 1
+
+        def post(mod, args, kwargs, out, path=path):
+            call = calls[path]
+            if call.output_shape is None:
+                first = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(first, torch.Tensor):
+                    call.output_shape, call.output_dtype = tuple(first.shape), first.dtype
+                call.output_tuple_len = len(out) if isinstance(out, (tuple, list)) else None
+
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _dry_run(model: nn.Module) -> dict[str, _Call]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with _recorded_calls(model) as calls, _comm.communication_disabled(), torch.no_grad(), \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        ids = torch.zeros(2, 8, dtype=torch.long, device=device)
+        try:
+            model(input_ids=ids)
+        except Exception as exc:  # noqa: BLE001 - any failure here means we cannot pipeline this model
+            raise PipelineError(
+                f"cannot cut {type(model).__name__} into pipeline stages: its forward(input_ids=...) failed "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+    return calls
+
+
+def _has_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _topmost(paths: list[str]) -> list[str]:
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+@dataclass
+class StageInfo:
+    """What a rank needs to know about its pipeline stage."""
+
+    index: int
+    num_stages: int
+    first_block: str
+    last_block: str
+    # names (in this stage's model) of parameters tied to a parameter of another stage, in an
+    # order both stages agree on (the tied tensor's path in the full model)
+    tied: list[str] = field(default_factory=list)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
+
+
+def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
+    """Keep only stage ``index`` of ``model`` (in place) and describe it."""
+    calls = _dry_run(model)
+    first_block, last_block = plan.block_path(0), plan.block_path(len(plan.block_names) - 1)
+    if first_block not in calls:
+        raise PipelineError(f"the forward of {type(model).__name__} never calls '{first_block}'")
+    start, end = calls[first_block].order, calls[last_block].order
+    block_prefix = plan.blocks_path + "."
+    pre, post = [], []
+    for path, m in model.named_modules():
+        if (not path or path not in calls or path.startswith(block_prefix) or plan.blocks_path.startswith(path + ".")
+                or path == plan.blocks_path or not _has_params(m)):
+            continue
+        (pre if calls[path].order < start else post if calls[path].order > end else []).append(path)
+    pre, post = _topmost(pre), _topmost(post)
+
+    full_names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        full_names.setdefault(id(p), []).append(name)
+    record_init_owners(model)
+    lo, hi = plan.stages[index]
+    info = StageInfo(index, plan.num_stages, plan.block_path(lo), plan.block_path(hi))
+    last = plan.num_stages - 1
+    if index > 0:
+        for path in pre:
+            call = calls[path]
+            if call.output_shape is None or call.input_shape is None:
+                raise PipelineError(f"cannot stand in for '{path}' on later stages: it returns no tensor")
+            prefix = len(call.input_shape) if call.input_is_int else len(call.input_shape) - 1
+            if call.output_shape[:prefix] != call.input_shape[:prefix]:
+                raise PipelineError(f"cannot stand in for '{path}' on later stages: its output shape is not "
+                                    "its input's leading dimensions plus a fixed tail")
+            _set_submodule(model, path, _ZerosStub(path, prefix, call.output_shape[prefix:], call.output_dtype))
+    if index < last:
+        for path in post:
+            _set_submodule(model, path, _Absent(path))
+    for i in range(len(plan.block_names)):
+        if not lo <= i <= hi:
+            _set_submodule(model, plan.block_path(i), _Skip(calls[plan.block_path(i)].output_tuple_len))
+    if plan.num_stages > 1 and index in (0, last):
+        # A tensor used both before and after the blocks (GPT-2's embedding and LM head) now has a
+        # copy on the first and on the last stage; their gradients must be summed every step.
+        present = {id(p): name for name, p in model.named_parameters()}
+        for pid, names in full_names.items():
+            where = {"pre" if any(n.startswith(p + ".") for p in pre) else
+                     "post" if any(n.startswith(p + ".") for p in post) else "" for n in names}
+            if {"pre", "post"} <= where and pid in present:
+                info.tied.append((names[0], present[pid]))
+        info.tied = [local for _, local in sorted(info.tied)]
+    return info
+
+
+class StageModule(nn.Module):
+    """This rank's pipeline stage as one module: token ids or a hidden state in, hidden state or
+    logits out. With a single stage it is simply the model returning logits."""
+
+    def __init__(self, model: nn.Module, info: StageInfo, topology):
+        super().__init__()
+        self.model = model
+        self.__dict__["info"] = info
+        self.__dict__["topology"] = topology
+        self.__dict__["_incoming"] = [None]
+        if not info.is_first:
+            model.get_submodule(info.first_block).register_forward_pre_hook(self._substitute, with_kwargs=True)
+        if not info.is_last:
+            model.get_submodule(info.last_block).register_forward_hook(self._exit)
+
+    def _substitute(self, module, args, kwargs):
+        hidden = self._incoming[0]
+        if args:
+            return (hidden, *args[1:]), kwargs
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        return args, {**kwargs, key: hidden}
+
+    @staticmethod
+    def _exit(module, args, output):
+        raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.info.is_first:
+            ids = x
+        else:
+            self._incoming[0] = x
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+        try:
+            return self.model(input_ids=ids).logits
+        except _StageExit as done:
+            return done.hidden
+        finally:
+            self._incoming[0] = None

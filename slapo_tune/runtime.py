@@ -1,0 +1,119 @@
+"""One training step for any schedule: micro-batching, accumulation, pipeline, data parallelism.
+
+The same code path serves ``pp=1`` and ``pp>1``: every built model is a stage of a
+``torch.distributed.pipelining`` schedule (a single-stage schedule is plain gradient
+accumulation), so trials, the training job and ``verify`` all measure and run one thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ._data_parallel import average_gradients
+from ._pipeline import StageModule
+from .errors import ScheduleError
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+
+
+def default_loss_fn(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's own Hugging Face loss (shifted for causal LMs), applied to logits."""
+    vocab = model.config.vocab_size
+    hf_loss = model.loss_function
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return hf_loss(logits=logits, labels=labels, vocab_size=vocab)
+
+    return loss_fn
+
+
+class TrainStep:
+    """Compute the gradients of one optimizer step on a global batch.
+
+    The global batch (same on every rank) is split over data-parallel ranks, then into
+    ``n_microbatches`` micro-batches run by a GPipe or 1F1B schedule; gradients are accumulated
+    (scaled to the mean), tied weights across stages summed, and replicated data parallelism
+    averaged. Returns the mean loss over the global batch on every rank. Call the optimizer after.
+    """
+
+    def __init__(self, model: StageModule, *, n_microbatches: int = 1, schedule: str = "1f1b",
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        if not isinstance(model, StageModule):
+            raise ScheduleError("TrainStep needs a model built with a topology: build(sch, topology=...)")
+        if schedule not in PIPELINE_SCHEDULES:
+            raise ScheduleError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+        if n_microbatches < 1:
+            raise ScheduleError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        topo = model.topology
+        if schedule == "1f1b" and n_microbatches < topo.pp:
+            raise ScheduleError(f"1F1B needs at least as many micro-batches as stages ({topo.pp}), got {n_microbatches}")
+        self.model, self.topology = model, topo
+        self.n_microbatches, self.schedule_name = n_microbatches, schedule
+        self.loss_fn = loss_fn or default_loss_fn(model.model)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._schedule = None
+        self._shape = None
+
+    def _make_schedule(self, shape) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        info = self.model.info
+        stage = PipelineStage(self.model, info.index, info.num_stages, self.device, group=self.topology.pp_group)
+        self._schedule = _schedule_class(self.schedule_name)(stage, self.n_microbatches, loss_fn=self.loss_fn)
+        self._shape = shape
+
+    def local_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel rank's slice of the global batch."""
+        ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
+        topo = self.topology
+        if ids.shape[0] % (topo.dp * self.n_microbatches):
+            raise ScheduleError(
+                f"global batch {ids.shape[0]} is not divisible by dp x micro-batches = "
+                f"{topo.dp} x {self.n_microbatches}"
+            )
+        n = ids.shape[0] // topo.dp
+        rows = slice(topo.dp_rank * n, (topo.dp_rank + 1) * n)
+        return ids[rows].to(self.device), labels[rows].to(self.device)
+
+    def __call__(self, batch: Mapping[str, torch.Tensor]) -> float:
+        ids, labels = self.local_batch(batch)
+        shape = (ids.shape[0] // self.n_microbatches, *ids.shape[1:])
+        if shape != self._shape:  # stages record shapes on their first step
+            self._make_schedule(shape)
+        info, topo = self.model.info, self.topology
+        self.model.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if info.is_first:
+            self._schedule.step(ids, target=labels if info.is_last else None, losses=losses if info.is_last else None)
+        elif info.is_last:
+            self._schedule.step(target=labels, losses=losses)
+        else:
+            self._schedule.step()
+        self._sync_gradients()
+        loss = torch.stack([t.detach().float() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
+        loss = loss.reshape(1).to(self.device)
+        if topo.pp > 1:
+            dist.broadcast(loss, src=topo.pp_global_ranks[-1], group=topo.pp_group)
+        if topo.dp > 1:
+            dist.all_reduce(loss, group=topo.dp_group)
+            loss /= topo.dp
+        return loss.item()
+
+    def _sync_gradients(self) -> None:
+        topo, info = self.topology, self.model.info
+        if topo.pp > 1 and info.tied:
+            for name in info.tied:
+                grad = self.model.model.get_parameter(name).grad
+                local = grad.to_local() if hasattr(grad, "to_local") else grad
+                dist.all_reduce(local, group=topo.tie_group)
+        if topo.dp > 1 and self.model.zero == 0:
+            average_gradients(self.model.parameters(), topo.dp_group)

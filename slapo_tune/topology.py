@@ -1,0 +1,105 @@
+"""The one place that turns ``(dp, pp, tp)`` into process groups.
+
+Ranks are laid out on a ``(pp, dp, tp)`` device mesh: tensor-parallel ranks are adjacent (the
+fastest links carry the most traffic), pipeline stages are outermost (they communicate least).
+Schedules receive their groups from a :class:`Topology`; nothing else creates groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .errors import UsageError
+
+
+@dataclass
+class Topology:
+    """Process groups and this rank's coordinates for a ``dp x pp x tp`` layout."""
+
+    dp: int
+    pp: int
+    tp: int
+    dp_rank: int = 0
+    pp_rank: int = 0
+    tp_rank: int = 0
+    mesh: object | None = field(default=None, repr=False)
+    tp_group: ProcessGroup | None = field(default=None, repr=False)
+    dp_group: ProcessGroup | None = field(default=None, repr=False)
+    pp_group: ProcessGroup | None = field(default=None, repr=False)
+    # {first stage, last stage} ranks at this rank's (dp, tp) coordinate: tied embeddings sum here
+    tie_group: ProcessGroup | None = field(default=None, repr=False)
+    pp_global_ranks: tuple[int, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def dp_mesh(self):
+        """The data-parallel sub-mesh (what FSDP shards over)."""
+        return None if self.mesh is None else self.mesh["dp"]
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} (rank: dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})"
+
+
+def factorize(world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
+    """``(dp, pp, tp)`` with ``dp * pp * tp == world_size``; ``dp`` defaults to what is left."""
+    for name, value in (("pp", pp), ("tp", tp)):
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    if world_size % (pp * tp):
+        raise UsageError(f"world size {world_size} is not divisible by pp x tp = {pp} x {tp}")
+    rest = world_size // (pp * tp)
+    if dp is None:
+        dp = rest
+    elif dp != rest:
+        raise UsageError(f"dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}, but the world size is {world_size}")
+    return dp, pp, tp
+
+
+def _ensure_process_group(device_type: str) -> None:
+    if not dist.is_initialized():
+        # A single process still runs through the same distributed code path (groups of size 1).
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_topology(pp: int = 1, tp: int = 1, dp: int | None = None, device_type: str = "cpu") -> Topology:
+    """Create the mesh and every group for this layout. All ranks must call it, in the same order.
+
+    Initialises a one-process group when torch.distributed is not initialised (world size 1).
+    """
+    _ensure_process_group(device_type)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    dp, pp, tp = factorize(world, pp=pp, tp=tp, dp=dp)
+    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    coords = mesh.get_coordinate()
+    pp_rank, dp_rank, tp_rank = coords
+    layout = mesh.mesh.tolist()
+    tie_group = None
+    if pp > 1:
+        for i in range(dp):
+            for j in range(tp):
+                ranks = [layout[0][i][j], layout[pp - 1][i][j]]
+                group = dist.new_group(ranks)
+                if (i, j) == (dp_rank, tp_rank):
+                    tie_group = group
+    pp_ranks = tuple(layout[s][dp_rank][tp_rank] for s in range(pp))
+    return Topology(
+        dp=dp, pp=pp, tp=tp, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, mesh=mesh,
+        tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
+        tie_group=tie_group, pp_global_ranks=pp_ranks,
+    )
