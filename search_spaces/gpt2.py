@@ -1,6 +1,6 @@
 """GPT-2: fused QKV in one Conv1D (weights stored [in, out]), LM head tied to the token embedding."""
 
-from slapo_tune.parallelize import Colwise, DivideAttr, Rowwise, VocabParallel
+from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
 
 BLOCKS = "transformer.h"
 
@@ -9,7 +9,9 @@ TP_PLAN = {
     "transformer.h.*.attn": DivideAttr("split_size", "num_heads"),
     "transformer.h.*.attn.c_attn": Colwise(num_fused=3),
     "transformer.h.*.attn.c_proj": Rowwise(),
-    "transformer.h.*.mlp.c_fc": Colwise(),
+    # reduced at the MLP input, so c_fc can be decomposed and traced through for fusion
+    "transformer.h.*.mlp": ReduceInputGrad(),
+    "transformer.h.*.mlp.c_fc": Colwise(reduce_input_grad=False),
     "transformer.h.*.mlp.c_proj": Rowwise(),
     "lm_head": Colwise(gather_output=True),
 }

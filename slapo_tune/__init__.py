@@ -11,6 +11,7 @@ _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from ._build import build, materialize  # noqa: E402
+from ._graph import FusedLinear, Match, fuse_linears  # noqa: E402
 from ._schedule import Schedule, create_schedule  # noqa: E402
 from ._sharding import Layout  # noqa: E402
 from ._verify import VerifyReport, reference_copy, verify  # noqa: E402
@@ -32,7 +33,9 @@ from .models import build_model, config_fingerprint, load_config, preset_names  
 __version__ = "0.1.0"
 
 __all__ = [
+    "FusedLinear",
     "Layout",
+    "Match",
     "MaterializeError",
     "PatternError",
     "PipelineError",
@@ -50,6 +53,7 @@ __all__ = [
     "build_model",
     "config_fingerprint",
     "create_schedule",
+    "fuse_linears",
     "load_config",
     "materialize",
     "preset_names",

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ._schedule import Schedule, state_of
+from ._schedule import INIT_PARTS, TRACED_FROM, Schedule, state_of
 from ._sharding import rule_for
 from .errors import MaterializeError, PipelineError, ScheduleError
 
@@ -169,10 +169,23 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
                 m._buffers[name] = tmp
 
         detached: list[tuple[str, nn.Module]] = []
+        composite: dict[int, list[torch.Tensor]] = {}
         for _, m in modules:
             for name, t, is_param in _direct_tensors(m):
                 shape = _full_shape(m, name, t)
                 owner_path, owner, owner_name = canonical[id(t)]
+                parts = m.__dict__.get(INIT_PARTS, {}).get(name)
+                if t.device.type == "meta" and parts:
+                    # a horizontally fused tensor: initialise each original module, concatenate
+                    install(m, name, is_param, fresh(t, shape), t)
+                    composite[id(t)] = []
+                    for part_path, part_module, part_name in parts:
+                        original = getattr(part_module, part_name)
+                        piece = fresh(original, tuple(original.shape))
+                        install(part_module, part_name, is_param, piece, original)
+                        detached.append((part_path, part_module))
+                        composite[id(t)].append(piece)
+                    continue
                 if t.device.type == "meta" and owner is m:
                     install(m, name, is_param, kept.setdefault(id(t), fresh(t, shape)), t)
                     continue
@@ -185,9 +198,11 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
         with torch.random.fork_rng(devices=devices):
             for path, m in detached + modules:
                 torch.manual_seed(_seed_for(seed, path))
-                _initializer(model, path)(m)
+                _initializer(model, path)(m.__dict__.get(TRACED_FROM, m))
         for m, name, is_param, original in reversed(saved):
             (m._parameters if is_param else m._buffers)[name] = original
+        for tid, pieces in composite.items():
+            kept[tid] = torch.cat(pieces, dim=0)
         for path, m in modules:
             for name, t, is_param in list(_direct_tensors(m)):
                 if id(t) not in kept:

@@ -30,6 +30,8 @@ from ._sharding import PARTIAL, REPLICATED, Layout, ShardSpec, partition, rule_f
 from .errors import ScheduleError, ScheduleKeyError, ShardingError, SyncError
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+TRACED_FROM = "_slapo_traced_from"
+INIT_PARTS = "_slapo_init_parts"  # {param: [(path, original module, param name), ...]} of a fused module
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
 
 
@@ -90,6 +92,7 @@ class ModuleState:
     checkpointed: bool = False
     rng_group: ProcessGroup | None = field(default=None, repr=False)
     forks_rng: bool = False
+    decomposed: bool = False
     cut_after: bool = False
     annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
     hooks_installed: bool = False
@@ -345,8 +348,18 @@ class Schedule:
         for name, node in self.child.items():
             yield from node.named_schedules(f"{prefix}.{name}" if prefix else name)
 
-    def find(self, pattern: str) -> list[Schedule]:
-        """Descendant nodes whose relative path fully matches the regular expression ``pattern``."""
+    def find(self, pattern: str | Callable) -> list:
+        """Find what a later primitive should act on.
+
+        A string is a regular expression over descendant paths: the nodes whose relative path
+        matches fully. A function of tensors (``lambda x, b: F.gelu(x + b)``) is a subgraph
+        pattern: its non-overlapping :class:`~slapo_tune._graph.Match` es in this traced module.
+        A pattern that matches nothing raises :class:`PatternError`.
+        """
+        if callable(pattern):
+            from ._graph import find_pattern
+
+            return find_pattern(self, pattern)
         regex = re.compile(pattern)
         return [node for path, node in self.named_schedules() if path and regex.fullmatch(path)]
 
@@ -354,13 +367,30 @@ class Schedule:
         return f"Schedule(path={self.path!r}, module={type(self.mod).__name__})"
 
     # ------------------------------------------------------------ primitives
-    def replace(self, new_module: nn.Module) -> Schedule:
-        """Swap this node's module for ``new_module``, carrying its hooks and schedule state over.
+    def replace(self, new_module: nn.Module | Callable, target: Any = None, *, name: str | None = None) -> Schedule | str:
+        r"""Swap this node's module for ``new_module``, carrying its hooks and schedule state over.
 
         The new module's ``forward`` must accept the inputs the old one required. Refused for the
         root (use the new model directly) and for modules with sharded parameters (shard the new
         module instead). Returns the new node.
+
+        With ``target``: a :class:`~slapo_tune._graph.Match` from :meth:`find` (on this traced
+        module) is replaced by one call of ``new_module`` (a module or function of the match's
+        inputs): vertical fusion; returns the name of the inserted submodule. A list of sibling
+        nodes (e.g. ``find(r"self_attn\.[qkv]_proj")``) is fused horizontally into
+        ``new_module(list_of_modules)`` (``slapo_tune.fuse_linears`` builds the usual one), each
+        former module becoming a slice of its output; returns the fused node.
         """
+        if target is not None:
+            from . import _graph
+
+            if isinstance(target, _graph.Match):
+                return _graph.replace_match(target, new_module, name or "replaced")
+            if isinstance(target, Sequence) and len(target) == 1 and isinstance(target[0], _graph.Match):
+                return _graph.replace_match(target[0], new_module, name or "replaced")
+            if isinstance(target, Sequence) and all(isinstance(t, Schedule) for t in target):
+                return _graph.replace_horizontal(list(target), new_module, name)
+            raise ScheduleError(f"replace('{self.path}'): target must be a Match from find() or a list of sibling nodes")
         if not isinstance(new_module, nn.Module):
             raise ScheduleError(f"replace('{self.path}'): expected an nn.Module, got {type(new_module).__name__}")
         if self.parent is None:
@@ -378,16 +408,76 @@ class Schedule:
                 f"replace('{self.path}'): {type(new_module).__name__}.forward cannot take the {needed} "
                 f"positional input(s) that {type(old).__name__}.forward requires"
             )
+        return self._swap(new_module, state)
+
+    def _swap(self, new_module: nn.Module, state: ModuleState | None) -> Schedule:
         for name in _HOOK_DICTS:
-            getattr(new_module, name).update(getattr(old, name))
+            getattr(new_module, name).update(getattr(self.mod, name))
         if state is not None:
             new_module.__dict__["_slapo"] = state
             if state.changes_forward:
                 _ensure_forward_patched(new_module)
+        if self.parent is None:
+            self.mod = new_module
+            self._build_children()
+            return self
         setattr(self.parent.mod, self.name, new_module)
         node = Schedule(new_module, self.name, self.path, self.parent, self.group)
         self.parent.child[self.name] = node
         return node
+
+    def trace(self, example_args: tuple | None = None, example_kwargs: dict | None = None, *,
+              model_inputs: dict | None = None, leaf_types: tuple[type, ...] = ()) -> Schedule:
+        """Turn this module into a graph (``torch.fx.GraphModule``) that ``find`` can match.
+
+        The traced module keeps its path, parameters and numerics. Sharded/synced/checkpointed
+        submodules stay opaque calls; ``decompose``d layers are traced through. If ``torch.fx``
+        cannot trace the module, ``torch.export`` traces it from example inputs (the graph is then
+        specialised to their shapes): ``example_args``/``example_kwargs`` exactly as the parent
+        calls it, or ``model_inputs`` for the whole model, from which this module's call is
+        captured. Raises :class:`TraceError` naming the module and the reason.
+        """
+        from ._graph import capture_call, trace_module
+
+        if model_inputs is not None:
+            example_args, example_kwargs = capture_call(self.root.mod, self.mod, model_inputs)
+        gm = trace_module(self.mod, self.path or type(self.mod).__name__, example_args, example_kwargs, leaf_types)
+        # a model's initialiser recognises modules by type: keep the original for materialisation
+        gm.__dict__[TRACED_FROM] = self.mod.__dict__.get(TRACED_FROM, self.mod)
+        return self._swap(gm, state_of(self.mod))
+
+    def decompose(self) -> None:
+        """Split a ``Linear`` / ``Conv1D`` into a matrix product and a separate bias addition, so a
+        pattern can fuse the bias with what follows (``trace`` the parent afterwards)."""
+        from ._graph import Conv1D, decomposed_forward
+
+        if not isinstance(self.mod, nn.Linear) and not (Conv1D and isinstance(self.mod, Conv1D)):
+            raise ScheduleError(f"decompose('{self.path}'): only Linear and Conv1D layers decompose, not {type(self.mod).__name__}")
+        st = state_of(self.mod)
+        if st is not None and (st.decomposed or st.defers_bias):
+            why = "already decomposed" if st.decomposed else "its output is partial, so its bias must follow the reduction"
+            raise ScheduleError(f"decompose('{self.path}'): {why}")
+        st = state_of(self.mod, create=True)
+        st.decomposed, st.compute = True, decomposed_forward
+        _ensure_forward_patched(self.mod)
+
+    def fuse(self, target: Any = None, compiler: str = "inductor", *, name: str = "fused") -> Schedule | str:
+        """Compile this module, or a :class:`Match` of it, with a ``torch.compile`` backend
+        (``"inductor"``, ``"aot_eager"``, ...; ``"eager"`` keeps the subgraph as one uncompiled call).
+
+        A match becomes one submodule running the compiled subgraph; returns its name.
+        """
+        from . import _graph
+
+        if target is None:
+            if compiler != "eager":
+                self.mod.compile(backend=compiler, dynamic=True)
+            return self
+        match = target[0] if isinstance(target, Sequence) and len(target) == 1 else target
+        if not isinstance(match, _graph.Match):
+            raise ScheduleError(f"fuse('{self.path}'): target must be a Match from find()")
+        sub = _graph.extract_match(match)
+        return _graph.replace_match(match, _graph.compile_fn(sub, compiler), name)
 
     def replace_all(self, module_type: type[nn.Module], make_fn: Callable[[nn.Module], nn.Module]) -> int:
         """Replace every descendant of type ``module_type`` by ``make_fn(old_module)``; returns the count."""
@@ -407,7 +497,7 @@ class Schedule:
             if p is tensor
         ]
 
-    def shard(self, param_names: str | Sequence[str], axis: int, *, num_fused: int = 1) -> None:
+    def shard(self, param_names: str | Sequence[str], axis: int, *, num_fused: int | Sequence[int] = 1) -> None:
         """Keep this rank's 1/world_size slice of parameter(s) along ``axis``.
 
         The module's size attributes follow (for ``Linear``, ``Conv1D``, ``Embedding``), and the
@@ -415,9 +505,12 @@ class Schedule:
         a partition; sharding the input features makes it partial (sum it with
         ``sync("fwd_post", "all_reduce")``); sharding an embedding's vocabulary masks foreign ids
         and makes the output partial. Tied parameters are sharded once, for every module holding
-        them. ``num_fused`` splits a fused axis (e.g. QKV = 3 blocks) block by block.
+        them. ``num_fused`` splits a fused axis block by block: a count of equal blocks (QKV = 3) or
+        the block sizes (grouped-query QKV: ``[q, k, v]`` features).
         """
         names = [param_names] if isinstance(param_names, str) else list(param_names)
+        blocks = tuple(num_fused) if isinstance(num_fused, Sequence) else ()
+        num_fused = len(blocks) if blocks else num_fused
         if num_fused < 1:
             raise ShardingError(f"shard('{self.path}'): num_fused must be >= 1, got {num_fused}")
         size, rank = self.world_size, self.rank
@@ -440,13 +533,18 @@ class Schedule:
                 if st is not None and n in st.shards:
                     tied = "" if m is self.mod else " (it is tied to a parameter sharded elsewhere)"
                     raise ShardingError(f"shard('{self.path}.{name}'): already sharded{tied}; shard a parameter once")
-            if param.shape[ax] % (size * num_fused):
+            if blocks and (sum(blocks) != param.shape[ax] or any(b % size for b in blocks)):
+                raise ShardingError(
+                    f"shard('{self.path}.{name}'): fused blocks {list(blocks)} must add up to dimension {ax} "
+                    f"({param.shape[ax]}) and each be divisible by the tensor-parallel size {size}"
+                )
+            if not blocks and param.shape[ax] % (size * num_fused):
                 raise ShardingError(
                     f"shard('{self.path}.{name}'): dimension {ax} of size {param.shape[ax]} is not divisible "
                     f"by {size * num_fused} (tensor-parallel size {size}"
                     + (f" x {num_fused} fused blocks)" if num_fused > 1 else ")")
                 )
-            spec = ShardSpec(ax, tuple(param.shape), size, rank, num_fused, self.group)
+            spec = ShardSpec(ax, tuple(param.shape), size, rank, num_fused, self.group, blocks)
             effects = []
             for m, n in owners:
                 st = state_of(m) or ModuleState()

@@ -54,9 +54,9 @@ def partition(axis: int) -> Layout:
 class ShardSpec:
     """Which slice of a full parameter this rank holds.
 
-    ``num_fused`` > 1 means the sharded axis concatenates that many equal blocks (a fused QKV
-    projection holds [q; k; v]); each block is split separately so every rank keeps whole heads of
-    each block.
+    ``num_fused`` > 1 means the sharded axis concatenates that many blocks (a fused QKV projection
+    holds [q; k; v]), of equal sizes or of the sizes in ``blocks``; each block is split separately
+    so every rank keeps whole heads of each block.
     """
 
     axis: int
@@ -65,6 +65,13 @@ class ShardSpec:
     rank: int
     num_fused: int = 1
     group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+    blocks: tuple[int, ...] = ()
+
+    def _split(self, t: torch.Tensor, axis: int, per_rank: bool = False) -> tuple[torch.Tensor, ...]:
+        if not self.blocks:
+            return t.chunk(self.num_fused, dim=axis)
+        sizes = [b // self.size for b in self.blocks] if per_rank else list(self.blocks)
+        return t.split(sizes, dim=axis)
 
     def __deepcopy__(self, memo):
         clone = copy.copy(self)  # process groups cannot be copied, and need not be
@@ -79,7 +86,7 @@ class ShardSpec:
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor ``full``."""
-        blocks = full.chunk(self.num_fused, dim=self.axis)
+        blocks = self._split(full, self.axis)
         mine = [b.chunk(self.size, dim=self.axis)[self.rank] for b in blocks]
         return torch.cat(mine, dim=self.axis).contiguous() if len(mine) > 1 else mine[0].contiguous()
 
@@ -95,7 +102,7 @@ class ShardSpec:
         if self.num_fused == 1:
             return gathered
         axis = self.axis if axis is None else axis
-        per_rank = [p.chunk(self.num_fused, dim=axis) for p in gathered.chunk(self.size, dim=axis)]
+        per_rank = [self._split(p, axis, per_rank=True) for p in gathered.chunk(self.size, dim=axis)]
         return torch.cat([per_rank[r][b] for b in range(self.num_fused) for r in range(self.size)], dim=axis)
 
 
@@ -163,6 +170,14 @@ class LinearRule(ShardRule):
             return eff
         if axis == self.out_axis.get(name):
             attrs = {self.out_attr: full[axis] // size} if name == "weight" else {}
+            split = getattr(module, "split_sizes", None)
+            if split is not None:  # a FusedLinear: its slices shrink with it
+                if tuple(shards[name].blocks) != tuple(split):
+                    raise ShardingError(
+                        f"shard {type(module).__name__}.{name} block by block: pass num_fused={list(split)}"
+                    )
+                if name == "weight":
+                    attrs["split_sizes"] = [b // size for b in split]
             return ShardEffect(attrs=attrs, input_layout=REPLICATED, output_layout=partition(-1))
         raise ShardingError(f"cannot shard {type(module).__name__}.{name} along axis {axis}")
 

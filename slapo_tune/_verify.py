@@ -157,8 +157,9 @@ def _capture_outputs(model: nn.Module, store: dict[str, torch.Tensor], order: li
 @contextlib.contextmanager
 def _eval_mode(*models: nn.Module) -> Iterator[None]:
     modes = [[(m, m.training) for m in model.modules()] for model in models]
-    for model in models:
-        model.eval()
+    for saved in modes:
+        for m, _ in saved:
+            m.training = False  # not eval(): export-traced modules refuse train()/eval() calls
     try:
         yield
     finally:
@@ -193,16 +194,32 @@ def _full_gradient(module_root: nn.Module, name: str, param: torch.Tensor) -> to
     return spec.assemble(grad) if spec is not None else grad
 
 
+def _reference_gradient(model: nn.Module, name: str, ref_params: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The reference's gradient for ``name``; for a horizontally fused parameter, the gradients of
+    the parameters it was fused from, concatenated."""
+    from ._graph import FUSED_FROM
+
+    ref = ref_params.get(name)
+    if ref is not None:
+        return ref.grad
+    owner, short = _param_owner(model, name)
+    st = state_of(owner)
+    sources = st.annotations.get(short, {}).get(FUSED_FROM) if st is not None else None
+    if not sources or any(ref_params.get(s) is None or ref_params[s].grad is None for s in sources):
+        return None
+    return torch.cat([ref_params[s].grad for s in sources], dim=0)
+
+
 def _compare_gradients(model: nn.Module, reference: nn.Module, report: VerifyReport) -> None:
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        ref_param = ref_params.get(name)
-        if ref_param is None or ref_param.grad is None:
+        ref_grad = _reference_gradient(model, name, ref_params)
+        if ref_grad is None:
             continue
         if param.grad is None:
             report.missing_grads.append(name)
             continue
-        err = relative_error(_full_gradient(model, name, param), ref_param.grad)
+        err = relative_error(_full_gradient(model, name, param), ref_grad)
         report.params_compared += 1
         if err > report.max_grad_error:
             report.max_grad_error, report.max_grad_param = err, name

@@ -84,9 +84,11 @@ def _output_axis(node: Schedule, param: str) -> int:
 
 def _apply_style(node: Schedule, style: Style) -> None:
     if isinstance(style, Colwise):
+        # a horizontally fused layer (QKV) is split block by block, whatever its style says
+        num_fused = getattr(node.mod, "split_sizes", None) or style.num_fused
         for param in ("weight", "bias"):
             if getattr(node.mod, param, None) is not None and not node.is_sharded(param):
-                node.shard(param, _output_axis(node, param), num_fused=style.num_fused)
+                node.shard(param, _output_axis(node, param), num_fused=num_fused)
         if style.reduce_input_grad:
             node.sync("bwd_post", "all_reduce")
         if style.gather_output:
@@ -151,3 +153,24 @@ def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, policy: str = 
     for i in chosen:
         blocks[i].checkpoint()
     return chosen
+
+
+def stage_boundaries(num_layers: int, pp: int) -> list[int]:
+    """Indices of the blocks after which to cut ``pp`` stages of (nearly) equal block counts
+    (earlier stages take the remainder)."""
+    if pp < 1 or pp > num_layers:
+        raise ScheduleError(f"cannot cut {num_layers} blocks into {pp} pipeline stages")
+    base, extra = divmod(num_layers, pp)
+    cuts, end = [], 0
+    for s in range(pp - 1):
+        end += base + (1 if s < extra else 0)
+        cuts.append(end - 1)
+    return cuts
+
+
+def apply_pipeline_cuts(blocks: Sequence[Schedule], pp: int) -> list[int]:
+    """Cut the repeated ``blocks`` into ``pp`` stages of (nearly) equal size; returns the cut indices."""
+    cuts = stage_boundaries(len(blocks), pp)
+    for i in cuts:
+        blocks[i].cut_pipeline_stage()
+    return cuts

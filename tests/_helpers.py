@@ -33,3 +33,20 @@ def tp_schedule(preset: str, ckpt_ratio: float = 0.0, **overrides) -> st.Schedul
     apply_tensor_parallel(sch, family_module(preset).TP_PLAN)
     apply_checkpointing(blocks(sch, preset), ckpt_ratio)
     return sch
+
+
+def parallel_schedule(preset: str, topology, ckpt_ratio: float = 0.0) -> st.Schedule:
+    """A meta-device model with tensor parallelism over ``topology.tp_group``, checkpointing and
+    ``topology.pp`` evenly sized pipeline stages."""
+    from slapo_tune.parallelize import apply_pipeline_cuts
+
+    sch = st.create_schedule(st.build_model(preset), group=topology.tp_group)
+    apply_tensor_parallel(sch, family_module(preset).TP_PLAN)
+    apply_checkpointing(blocks(sch, preset), ckpt_ratio)
+    apply_pipeline_cuts(blocks(sch, preset), topology.pp)
+    return sch
+
+
+def bias_then(act):
+    """The pattern ``act(x + b)``: a bias addition followed by the activation module ``act``."""
+    return lambda x, b: act(x + b)

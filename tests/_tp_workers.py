@@ -8,7 +8,7 @@ import slapo_tune as st
 from slapo_tune import _comm
 from slapo_tune.parallelize import apply_tensor_parallel
 
-from _helpers import FAMILIES, family_module, token_batch, tp_schedule
+from _helpers import FAMILIES, bias_then, family_module, token_batch, tp_schedule
 
 
 def _verify_case(sch, preset):
@@ -33,6 +33,29 @@ def _missing_sync_schedule():
         node.shard("weight", 0)
         if i != 1:
             node.sync("fwd_post", "all_reduce")
+    return sch
+
+
+def _fused_schedule(preset):
+    """Tensor parallelism on top of fusion: GPT-2's bias+GELU fused vertically, Llama's Q/K/V
+    fused horizontally (then sharded block by block)."""
+    sch = st.create_schedule(st.build_model(preset))
+    for i in range(4):
+        if preset == "gpt2-tiny":
+            mlp = sch[f"transformer.h.{i}.mlp"]
+            act = mlp.mod.act
+            mlp["c_fc"].decompose()
+            mlp = mlp.trace()
+            mlp.fuse(mlp.find(bias_then(act)), compiler="eager")
+        else:
+            attn = sch[f"model.layers.{i}.self_attn"]
+            attn.replace(st.fuse_linears, target=attn.find(r"[qkv]_proj"), name="qkv_proj")
+    plan = dict(family_module(preset).TP_PLAN)
+    if preset == "llama-tiny":
+        for k in ("q_proj", "k_proj", "v_proj"):
+            del plan[f"model.layers.*.self_attn.{k}"]
+        plan["model.layers.*.self_attn.qkv_proj"] = family_module(preset).TP_PLAN["model.layers.*.self_attn.q_proj"]
+    apply_tensor_parallel(sch, plan)
     return sch
 
 
@@ -68,4 +91,6 @@ def run_tp_suite(ctx, ckpt_ratios):
         for ratio in ckpt_ratios:
             results[(preset, ratio)] = _verify_case(tp_schedule(preset, ckpt_ratio=ratio), preset)
     results["missing_sync"] = _verify_case(_missing_sync_schedule(), "gpt2-tiny")
+    for preset in ("gpt2-tiny", "llama-tiny"):
+        results[("fused", preset)] = _verify_case(_fused_schedule(preset), preset)
     return results

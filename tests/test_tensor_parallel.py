@@ -52,3 +52,11 @@ def test_collectives_have_conjugate_backwards(suite):
         row, grad = c["scatter"]
         assert row == [float(2 * rank), float(2 * rank + 1)]
         assert grad == [3.0] * (2 * world)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_fusion_composes_with_tensor_parallelism(suite, preset):
+    world, results = suite
+    for rank, res in enumerate(results):
+        case = res[("fused", preset)]
+        assert case["ok"], f"rank {rank} of {world}:\n{case['report']}"

@@ -1,0 +1,340 @@
+"""Graph-level primitives: trace a module into a graph, find subgraphs, replace and fuse them.
+
+``trace`` uses ``torch.fx`` symbolic tracing, which keeps the graph shape-generic (any batch or
+sequence length). Modules the schedule has touched (sharded with syncs, checkpointed) stay
+opaque calls, so their hooks keep working; a ``decompose``d linear layer is traced through, so
+its bias addition becomes visible to patterns. Where ``torch.fx`` fails (Hugging Face blocks in
+transformers 5 do), ``torch.export`` takes example inputs instead; its graph is specialised to
+their shapes.
+
+Horizontal fusion of sibling linear layers that read the same input (Q, K and V) works on
+modules, without a graph: one fused linear layer runs once per input and each former layer
+becomes a slice of its output.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ._schedule import INIT_PARTS, ModuleState, state_of
+from .errors import PatternError, ScheduleError, TraceError
+
+try:
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover
+    Conv1D = ()
+
+
+class FusedLinear(nn.Linear):
+    """Sibling linear layers concatenated along their output features (``split_sizes``)."""
+
+    def __init__(self, in_features: int, split_sizes: Sequence[int], bias: bool, device=None, dtype=None):
+        super().__init__(in_features, sum(split_sizes), bias=bias, device=device, dtype=dtype)
+        self.split_sizes = list(split_sizes)
+
+
+class _FusedSlice(nn.Module):
+    """What a fused layer left behind: slice ``index`` of the fused layer's output.
+
+    The fused layer runs once per input tensor; the other slices reuse its output. A slice called
+    with another input (cross-attention) simply computes the fused layer again, so results are
+    always right, and fused only when the inputs are shared.
+    """
+
+    def __init__(self, fused: nn.Module, index: int):
+        super().__init__()
+        self.__dict__["fused"] = fused  # not a child: the fused layer belongs to the common parent
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = self.fused.__dict__.setdefault("_slapo_cache", [None, None])
+        if cache[0] is not x:
+            cache[0], cache[1] = x, self.fused(x)
+        out = cache[1]
+        if self.index == len(self.fused.split_sizes) - 1:
+            cache[0] = cache[1] = None
+        return out.split(self.fused.split_sizes, dim=-1)[self.index]
+
+
+class _Fused(nn.Module):
+    """A replacement or compiled subgraph inserted into a traced graph."""
+
+    def __init__(self, fn: Callable):
+        super().__init__()
+        if isinstance(fn, nn.Module):
+            self.fn = fn
+        else:
+            self.__dict__["fn"] = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _has_schedule_effects(st: ModuleState | None) -> bool:
+    return st is not None and bool(st.pre_syncs or st.post_syncs or st.checkpointed or st.forks_rng
+                                   or st.defers_bias or (st.compute is not None and not st.decomposed))
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_types: tuple[type, ...] = ()):
+        super().__init__()
+        self.leaf_types = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        st = state_of(m)
+        if st is not None and st.decomposed:
+            if st.pre_syncs or st.post_syncs:
+                raise TraceError(
+                    f"'{qualname}' is decomposed but has syncs, which a traced graph would drop; "
+                    "move the sync to its parent (e.g. ReduceInputGrad on the MLP)"
+                )
+            return False
+        if _has_schedule_effects(st) or isinstance(m, (_FusedSlice, _Fused, *self.leaf_types)):
+            return True
+        if Conv1D and isinstance(m, Conv1D):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+class _PatternTracer(_Tracer):
+    """Traces a pattern function; module objects it calls are traced through (not installed)."""
+
+    def path_of_module(self, mod: nn.Module) -> str:
+        try:
+            return super().path_of_module(mod)
+        except NameError:
+            return f"_pattern_module_{id(mod)}"
+
+
+def trace_module(module: nn.Module, path: str, example_args: tuple | None = None,
+                 example_kwargs: dict | None = None, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
+    """A GraphModule computing what ``module`` computes (parameters shared, not copied)."""
+    if isinstance(module, fx.GraphModule):
+        raise TraceError(f"trace('{path}'): already traced")
+    try:
+        graph = _Tracer(leaf_types).trace(module)
+        gm = fx.GraphModule(module, graph, type(module).__name__)
+        # fx rebuilds traced-through children as bare containers; put the originals back so the
+        # module tree (paths, types, schedule state) is exactly what it was
+        for name, child in module.named_children():
+            gm.add_module(name, child)
+        return gm
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fx raises anything; report it with the path
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if example_args is None and example_kwargs is None:
+        raise TraceError(
+            f"trace('{path}'): torch.fx cannot trace {type(module).__name__} ({reason}); pass example "
+            "inputs (trace(example_args=..., example_kwargs=...)) to trace it with torch.export, which "
+            "specialises the graph to their shapes"
+        )
+    try:
+        exported = torch.export.export(module, tuple(example_args or ()), dict(example_kwargs or {}), strict=False)
+    except Exception as exc:  # noqa: BLE001
+        raise TraceError(
+            f"trace('{path}'): neither torch.fx ({reason}) nor torch.export "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) can trace {type(module).__name__}"
+        ) from None
+    return exported.module()
+
+
+def capture_call(root: nn.Module, module: nn.Module, model_inputs: dict) -> tuple[tuple, dict]:
+    """The positional and keyword arguments ``module`` receives when ``root`` runs ``model_inputs``."""
+    seen: list[tuple[tuple, dict]] = []
+
+    def grab(mod, args, kwargs):
+        if not seen:
+            seen.append((args, kwargs))
+        raise _Captured
+
+    handle = module.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            root(**model_inputs)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise TraceError("trace(model_inputs=...): the model's forward never called this module")
+    return seen[0]
+
+
+class _Captured(Exception):  # noqa: N818 - control flow
+    pass
+
+
+@dataclass
+class Match:
+    """A subgraph of a traced module matched by a pattern."""
+
+    owner: object  # the Schedule node holding the traced module
+    pattern: Callable
+    nodes: list[fx.Node]  # target-graph nodes computed by the pattern (in graph order)
+    inputs: list[fx.Node]  # target-graph nodes bound to the pattern's inputs (in its argument order)
+    output: fx.Node
+
+    def __repr__(self) -> str:
+        return f"Match({self.owner.path}: {[n.name for n in self.nodes]} <- {[n.name for n in self.inputs]})"
+
+
+def find_pattern(node, pattern: Callable) -> list[Match]:
+    """Every non-overlapping match of ``pattern`` (a function of tensors) in ``node``'s graph."""
+    from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
+
+    gm = node.mod
+    if not isinstance(gm, fx.GraphModule):
+        raise TraceError(f"find('{node.path}'): {type(gm).__name__} is not traced; call trace() on it first")
+    try:
+        pattern_graph = _PatternTracer().trace(pattern)
+    except Exception as exc:  # noqa: BLE001
+        raise PatternError(f"find('{node.path}'): cannot trace the pattern: {exc}") from None
+    pattern_graph.eliminate_dead_code()
+    matcher = SubgraphMatcher(pattern_graph, match_output=False, match_placeholder=False,
+                              remove_overlapping_matches=True)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    placeholders = [n for n in pattern_graph.nodes if n.op == "placeholder"]
+    matches = []
+    for m in matcher.match(gm.graph):
+        inner = sorted((t for p, t in m.nodes_map.items() if p.op not in ("placeholder", "output")), key=order.get)
+        matches.append(Match(node, pattern, inner, [m.nodes_map[p] for p in placeholders], m.returning_nodes[0]))
+    if not matches:
+        name = getattr(pattern, "__name__", "pattern")
+        raise PatternError(f"find('{node.path}'): {name} matches nothing in the traced graph of {node.path or 'the model'}")
+    return matches
+
+
+def _accepts(fn: Callable, n: int) -> bool:
+    target = fn.forward if isinstance(fn, nn.Module) else fn
+    try:
+        inspect.signature(target).bind(*([None] * n))
+    except TypeError:
+        return False
+    except ValueError:  # builtins without a signature: let them run
+        return True
+    return True
+
+
+def replace_match(match: Match, new: Callable, name: str = "fused") -> str:
+    """Vertical fusion: the matched subgraph becomes one call of ``new(*match.inputs)``."""
+    gm: fx.GraphModule = match.owner.mod
+    if not _accepts(new, len(match.inputs)):
+        raise PatternError(
+            f"replace('{match.owner.path}'): the replacement must take the {len(match.inputs)} input(s) "
+            f"of the match ({', '.join(n.name for n in match.inputs)})"
+        )
+    if any(n.graph is not gm.graph for n in match.nodes) or any(n not in gm.graph.nodes for n in match.nodes):
+        raise PatternError(f"replace('{match.owner.path}'): the match is stale (its graph changed); find it again")
+    escaping = [n for n in match.nodes if n is not match.output and any(u not in match.nodes for u in n.users)]
+    if escaping:
+        raise PatternError(
+            f"replace('{match.owner.path}'): {escaping[0].name} inside the match is used outside it; "
+            "only the pattern's result may leave a fused subgraph"
+        )
+    attr = name
+    i = 0
+    while hasattr(gm, attr):
+        i += 1
+        attr = f"{name}_{i}"
+    gm.add_submodule(attr, _Fused(new))
+    with gm.graph.inserting_before(match.output):
+        call = gm.graph.call_module(attr, tuple(match.inputs))
+    match.output.replace_all_uses_with(call)
+    for n in reversed(match.nodes):
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return attr
+
+
+def extract_match(match: Match) -> fx.GraphModule:
+    """The matched subgraph as a standalone GraphModule of the match's inputs."""
+    gm: fx.GraphModule = match.owner.mod
+    graph = fx.Graph()
+    env = {n: graph.placeholder(f"in_{i}") for i, n in enumerate(match.inputs)}
+    for n in match.nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[match.output])
+    return fx.GraphModule(gm, graph, "FusedSubgraph")
+
+
+def compile_fn(fn: Callable, compiler: str) -> Callable:
+    """``fn`` compiled with a torch.compile backend; ``"eager"`` leaves it as it is."""
+    if compiler == "eager":
+        return fn
+    return torch.compile(fn, backend=compiler, dynamic=True)
+
+
+def decomposed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Linear / Conv1D as a matrix product followed by a separate bias addition."""
+    if Conv1D and isinstance(module, Conv1D):
+        out = torch.matmul(x, module.weight)
+    else:
+        out = F.linear(x, module.weight)
+    return out if module.bias is None else out + module.bias
+
+
+def fuse_linears(modules: Sequence[nn.Module]) -> FusedLinear:
+    """One linear layer computing ``modules`` (``nn.Linear`` with the same input) side by side.
+
+    Weights and biases are concatenated (meta tensors stay meta), so results are identical.
+    """
+    if not modules or not all(type(m) is nn.Linear for m in modules):
+        raise ScheduleError("fuse_linears(): horizontal fusion takes nn.Linear layers")
+    in_features = {m.in_features for m in modules}
+    has_bias = {m.bias is not None for m in modules}
+    if len(in_features) != 1 or len(has_bias) != 1:
+        raise ScheduleError("fuse_linears(): the layers must share their input size and all have (or lack) a bias")
+    w = modules[0].weight
+    fused = FusedLinear(in_features.pop(), [m.out_features for m in modules], has_bias.pop(),
+                        device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight = nn.Parameter(torch.cat([m.weight for m in modules], dim=0),
+                                    requires_grad=w.requires_grad)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in modules], dim=0),
+                                      requires_grad=modules[0].bias.requires_grad)
+    return fused
+
+
+def replace_horizontal(nodes: list, make: Callable | nn.Module, name: str | None = None):
+    """Horizontal fusion: sibling modules become slices of one fused module's output."""
+    parents = {id(n.parent) for n in nodes}
+    if len(nodes) < 2 or len(parents) != 1 or nodes[0].parent is None:
+        raise PatternError("replace(target=[...]): horizontal fusion takes two or more sibling modules")
+    for n in nodes:
+        st = state_of(n.mod)
+        if st is not None and (st.shards or st.pre_syncs or st.post_syncs):
+            raise ScheduleError(f"replace('{n.path}'): it is already sharded or synced; fuse before sharding")
+    parent = nodes[0].parent
+    fused = make([n.mod for n in nodes]) if not isinstance(make, nn.Module) else make
+    if not hasattr(fused, "split_sizes"):
+        raise ScheduleError("replace(target=[...]): the fused module needs a split_sizes attribute "
+                            "(output features per replaced module); fuse_linears() builds one")
+    attr = name or "_".join(n.name for n in nodes)
+    if hasattr(parent.mod, attr):
+        raise ScheduleError(f"replace(target=[...]): '{parent.path}' already has an attribute '{attr}'")
+    setattr(parent.mod, attr, fused)
+    for i, n in enumerate(nodes):
+        setattr(parent.mod, n.name, _FusedSlice(fused, i))
+    parent._build_children()
+    node = parent[attr]
+    parts = {}
+    for param, _ in fused.named_parameters(recurse=False):
+        # lets verify() compare the fused gradient with the originals' gradients, concatenated
+        node.annotate(param, FUSED_FROM, [f"{n.path}.{param}" for n in nodes])
+        parts[param] = [(n.path, n.mod, param) for n in nodes]
+    # a fused meta tensor is materialised as its parts would have been: same weights as unfused
+    fused.__dict__[INIT_PARTS] = parts
+    return node
+
+
+FUSED_FROM = "fused_from"
