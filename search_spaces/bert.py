@@ -1,6 +1,8 @@
-"""BERT masked LM: Q/K/V in BertSelfAttention, MLM decoder tied to the word embedding (and its bias)."""
+"""BERT masked LM: Q/K/V in BertSelfAttention, MLM decoder tied to the word embedding (and its bias).
+Fusion: Q/K/V into one projection."""
 
 from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.template import Template
 
 BLOCKS = "bert.encoder.layer"
 
@@ -17,3 +19,15 @@ TP_PLAN = {
     "bert.encoder.layer.*.output.dense": Rowwise(),
     "cls.predictions.decoder": Colwise(gather_output=True),
 }
+
+
+class BertTemplate(Template):
+    name = "bert"
+    version = "1"
+    families = ("bert",)
+    blocks = BLOCKS
+    tp_plan = TP_PLAN
+    fusion_groups = {"bert.encoder.layer.*.attention.self": (("query", "key", "value"), "qkv")}
+
+
+TEMPLATE = BertTemplate()

@@ -1,6 +1,13 @@
-"""GPT-2: fused QKV in one Conv1D (weights stored [in, out]), LM head tied to the token embedding."""
+"""GPT-2: fused QKV in one Conv1D (weights stored [in, out]), LM head tied to the token embedding.
+Fusion: the MLP's bias addition and GELU fused into one call (``decompose`` + pattern)."""
 
+from __future__ import annotations
+
+import torch
+
+from slapo_tune import bias_then
 from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.template import Template
 
 BLOCKS = "transformer.h"
 
@@ -15,3 +22,27 @@ TP_PLAN = {
     "transformer.h.*.mlp.c_proj": Rowwise(),
     "lm_head": Colwise(gather_output=True),
 }
+
+
+class GPT2Template(Template):
+    name = "gpt2"
+    version = "1"
+    families = ("gpt2",)
+    blocks = BLOCKS
+    tp_plan = TP_PLAN
+
+    @property
+    def has_fusion(self) -> bool:
+        return True
+
+    def fuse(self, sch, model) -> None:
+        compiler = "inductor" if torch.cuda.is_available() else "eager"
+        for block in self.block_nodes(sch):
+            mlp = block["mlp"]
+            act = mlp.mod.act
+            mlp["c_fc"].decompose()
+            mlp = mlp.trace()
+            mlp.fuse(mlp.find(bias_then(act)), compiler=compiler, name="bias_act")
+
+
+TEMPLATE = GPT2Template()

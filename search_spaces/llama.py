@@ -1,6 +1,8 @@
-"""Llama-style decoders (also Mistral, Qwen2): separate Q/K/V, gated (SwiGLU) MLP, untied head."""
+"""Llama-style decoders (also Mistral, Qwen2): separate Q/K/V, gated (SwiGLU) MLP, untied head.
+Fusion: Q/K/V into one projection, gate/up into one projection."""
 
 from slapo_tune.parallelize import Colwise, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.template import Template
 
 BLOCKS = "model.layers"
 
@@ -19,3 +21,18 @@ TP_PLAN = {
     "model.layers.*.mlp.down_proj": Rowwise(),
     "lm_head": Colwise(gather_output=True),
 }
+
+
+class LlamaTemplate(Template):
+    name = "llama"
+    version = "1"
+    families = ("llama", "mistral", "qwen2")
+    blocks = BLOCKS
+    tp_plan = TP_PLAN
+    fusion_groups = {
+        "model.layers.*.self_attn": (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+        "model.layers.*.mlp": (("gate_proj", "up_proj"), "gate_up_proj"),
+    }
+
+
+TEMPLATE = LlamaTemplate()

@@ -1,6 +1,8 @@
-"""OPT: Q/K/V and fc1/fc2 with biases, learned positions, LM head tied to the token embedding."""
+"""OPT: Q/K/V and fc1/fc2 with biases, learned positions, LM head tied to the token embedding.
+Fusion: Q/K/V into one projection."""
 
 from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.template import Template
 
 BLOCKS = "model.decoder.layers"
 
@@ -17,3 +19,15 @@ TP_PLAN = {
     "model.decoder.layers.*.fc2": Rowwise(),
     "lm_head": Colwise(gather_output=True),
 }
+
+
+class OPTTemplate(Template):
+    name = "opt"
+    version = "1"
+    families = ("opt",)
+    blocks = BLOCKS
+    tp_plan = TP_PLAN
+    fusion_groups = {"model.decoder.layers.*.self_attn": (("q_proj", "k_proj", "v_proj"), "qkv_proj")}
+
+
+TEMPLATE = OPTTemplate()

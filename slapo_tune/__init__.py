@@ -11,7 +11,7 @@ _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from ._build import build, materialize  # noqa: E402
-from ._graph import FusedLinear, Match, fuse_linears  # noqa: E402
+from ._graph import FusedLinear, Match, bias_then, fuse_linears  # noqa: E402
 from ._schedule import Schedule, create_schedule  # noqa: E402
 from ._sharding import Layout  # noqa: E402
 from ._verify import VerifyReport, reference_copy, verify  # noqa: E402
@@ -49,6 +49,7 @@ __all__ = [
     "UsageError",
     "VerificationError",
     "VerifyReport",
+    "bias_then",
     "build",
     "build_model",
     "config_fingerprint",

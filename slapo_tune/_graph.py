@@ -54,12 +54,13 @@ class _FusedSlice(nn.Module):
         self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cache = self.fused.__dict__.setdefault("_slapo_cache", [None, None])
-        if cache[0] is not x:
-            cache[0], cache[1] = x, self.fused(x)
-        out = cache[1]
-        if self.index == len(self.fused.split_sizes) - 1:
-            cache[0] = cache[1] = None
+        cache = self.fused.__dict__.setdefault("_slapo_cache", {"input": None, "output": None, "served": set()})
+        if cache["input"] is not x or self.index in cache["served"]:
+            cache.update(input=x, output=self.fused(x), served=set())
+        out = cache["output"]
+        cache["served"].add(self.index)
+        if len(cache["served"]) == len(self.fused.split_sizes):  # every slice taken: let go of it
+            cache.update(input=None, output=None, served=set())
         return out.split(self.fused.split_sizes, dim=-1)[self.index]
 
 
@@ -271,6 +272,12 @@ def compile_fn(fn: Callable, compiler: str) -> Callable:
     if compiler == "eager":
         return fn
     return torch.compile(fn, backend=compiler, dynamic=True)
+
+
+def bias_then(act: Callable) -> Callable:
+    """The pattern ``act(x + b)``: a bias addition followed by ``act`` (a function or a module
+    whose ops are traced through, e.g. Hugging Face's GELU modules)."""
+    return lambda x, b: act(x + b)
 
 
 def decomposed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

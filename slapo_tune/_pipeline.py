@@ -140,7 +140,6 @@ class _Absent(nn.Module):
 class _Call:
     order: int
     input_shape: tuple[int, ...] | None = None
-    input_is_int: bool = False
     output_shape: tuple[int, ...] | None = None
     output_dtype: torch.dtype | None = None
     output_tuple_len: int | None = None
@@ -158,8 +157,7 @@ def _recorded_calls(model: nn.Module):
         def pre(mod, args, kwargs, path=path):
             if path not in calls:
                 x = next((a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-                calls[path] = _Call(counter[0], tuple(x.shape) if x is not None else None,
-                                    x is not None and not x.is_floating_point())
+                calls[path] = _Call(counter[0], tuple(x.shape) if x is not None else None)
                 counter[0] += 1
 
         def post(mod, args, kwargs, out, path=path):
@@ -185,7 +183,7 @@ def _dry_run(model: nn.Module) -> dict[str, _Call]:
     with _recorded_calls(model) as calls, _comm.communication_disabled(), torch.no_grad(), \
             FakeTensorMode(allow_non_fake_inputs=True):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        ids = torch.zeros(2, 8, dtype=torch.long, device=device)
+        ids = torch.zeros(3, 7, dtype=torch.long, device=device)  # sizes unlikely to equal a model width
         try:
             model(input_ids=ids)
         except Exception as exc:  # noqa: BLE001 - any failure here means we cannot pipeline this model
@@ -258,8 +256,12 @@ def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
             call = calls[path]
             if call.output_shape is None or call.input_shape is None:
                 raise PipelineError(f"cannot stand in for '{path}' on later stages: it returns no tensor")
-            prefix = len(call.input_shape) if call.input_is_int else len(call.input_shape) - 1
-            if call.output_shape[:prefix] != call.input_shape[:prefix]:
+            # the output keeps the input's leading dimensions (batch, sequence) and adds a fixed tail
+            prefix = 0
+            while (prefix < min(len(call.input_shape), len(call.output_shape))
+                   and call.output_shape[prefix] == call.input_shape[prefix]):
+                prefix += 1
+            if prefix == 0:
                 raise PipelineError(f"cannot stand in for '{path}' on later stages: its output shape is not "
                                     "its input's leading dimensions plus a fixed tail")
             _set_submodule(model, path, _ZerosStub(path, prefix, call.output_shape[prefix:], call.output_dtype))

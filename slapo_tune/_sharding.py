@@ -172,9 +172,11 @@ class LinearRule(ShardRule):
             attrs = {self.out_attr: full[axis] // size} if name == "weight" else {}
             split = getattr(module, "split_sizes", None)
             if split is not None:  # a FusedLinear: its slices shrink with it
-                if tuple(shards[name].blocks) != tuple(split):
+                weight = shards.get("weight") if name != "weight" else None
+                full_split = list(weight.blocks) if weight is not None else list(split)
+                if list(shards[name].blocks) != full_split:
                     raise ShardingError(
-                        f"shard {type(module).__name__}.{name} block by block: pass num_fused={list(split)}"
+                        f"shard {type(module).__name__}.{name} block by block: pass num_fused={full_split}"
                     )
                 if name == "weight":
                     attrs["split_sizes"] = [b // size for b in split]

@@ -52,6 +52,102 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if reports[0].startswith("verify: OK") else EXIT_FAILED
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser, global_batch: int | None) -> None:
+    p.add_argument("--model", required=True, help="preset name or path to a config.json / model directory")
+    p.add_argument("--world-size", type=_positive, required=True, help="number of ranks")
+    p.add_argument("--space", default=None,
+                   help="template: gpt2, llama, bert, opt, generic, module:attr or a .py file (default: from the config)")
+    p.add_argument("--global-batch", type=_positive, default=global_batch,
+                   help="global batch, held fixed (default: %(default)s)" if global_batch else
+                   "global batch, held fixed (default: 8 x world size)")
+    p.add_argument("--seq-len", type=_positive, default=None, help="sequence length")
+
+
+def resolve_space(args: argparse.Namespace):
+    """(config, template, model info, workload, space) for the model/world/space arguments."""
+    from search_spaces import load_template, template_for
+
+    from .models import load_config
+    from .template import ModelInfo, Workload
+
+    config = load_config(args.model)
+    template = load_template(args.space) if args.space else template_for(config)
+    info = ModelInfo.from_config(config)
+    global_batch = args.global_batch or 8 * args.world_size
+    seq_len = args.seq_len or min(128, getattr(config, "max_position_embeddings", 128) or 128)
+    workload = Workload(args.world_size, global_batch, seq_len)
+    space = template.space(info, workload)
+    if next(space.enumerate(), None) is None:
+        raise UsageError(
+            f"no legal schedule for {args.model} on {args.world_size} ranks with global batch {global_batch}: "
+            f"tp must divide {info.heads} heads, {info.kv_heads} KV heads, vocab {info.vocab} and MLP width "
+            f"{info.intermediate}; pp must divide {info.layers} layers; the global batch must divide by dp"
+        )
+    return config, template, info, workload, space
+
+
+def cmd_space(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from .space import product_size
+
+    _, template, info, workload, _ = resolve_space(args)
+    t0 = time.perf_counter()  # the space itself (imports and config loading are not the space's cost)
+    space = template.space(info, workload)
+    domains = space.domains() if args.domains else None
+    count = space.count()
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"model": args.model, "template": template.describe(), "world_size": workload.world_size,
+                          "global_batch": workload.global_batch, "legal_points": count,
+                          "domains": domains, "seconds": round(elapsed, 4)}))
+        return EXIT_OK
+    print(f"{args.model}: template {template.describe()}, world {workload.world_size}, "
+          f"global batch {workload.global_batch} ({info.layers} layers, {info.heads} heads, hidden {info.hidden})")
+    for knob in space.knobs:
+        values = domains[knob.name] if domains else None
+        shown = ", ".join(map(str, values)) if values is not None else "(--domains to list)"
+        print(f"  {knob.name:<18} {shown:<40} {knob.doc}")
+    extra = f" of {product_size(domains)} unconstrained combinations" if domains else ""
+    print(f"legal points: {count}{extra}  (computed in {elapsed * 1e3:.0f} ms)")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .checks import verify_point
+    from .launch import launch
+    from .realize import ModelSpec
+    from .space import coerce, format_point, parse_knobs
+
+    _, template, _, workload, space = resolve_space(args)
+    point = space.complete(coerce(space, parse_knobs(args.knobs or "")))
+    print(f"verifying {args.model} with template {template.describe()} on {args.world_size} rank(s): {format_point(point)}")
+    results = launch(verify_point, args.world_size,
+                     args=(ModelSpec(args.model), args.space or template.name, point, workload, args.seed),
+                     timeout=args.timeout)
+    ok = all(r["ok"] for r in results)
+    for r in results:
+        if r["ok"]:
+            print(f"  rank {r['rank']} (stage {r['stage']}): loss {r['loss']:.6f} vs {r['reference_loss']:.6f} "
+                  f"(relative error {r['loss_error']:.2e}); {r['params']} gradients, max relative error "
+                  f"{r['max_grad_error']:.2e}")
+        else:
+            print(f"  rank {r['rank']} (stage {r['stage']}):\n" + "\n".join("    " + line for line in r["report"].splitlines()))
+    print("verify: OK" if ok else "verify: FAILED")
+    return EXIT_OK if ok else EXIT_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="slapo-tune", description="Autotune large-model training schedules.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -59,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="gpt2-tiny")
     demo.add_argument("--world-size", type=int, default=2)
     demo.set_defaults(func=cmd_demo)
+
+    space = sub.add_parser("space", help="list the knobs of a model's search space and count its legal points")
+    _add_model_args(space, None)
+    space.add_argument("--domains", action="store_true", help="list every knob's legal values (enumerates the space)")
+    space.add_argument("--json", action="store_true")
+    space.set_defaults(func=cmd_space)
+
+    verify = sub.add_parser("verify", help="check one schedule point against the unscheduled model on local ranks")
+    _add_model_args(verify, 8)
+    verify.add_argument("--knobs", default="", help="e.g. tp=2,pp=2,ckpt_ratio=0.5 (others: first legal value)")
+    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    verify.set_defaults(func=cmd_verify)
     return parser
 
 

@@ -102,7 +102,7 @@ class TrainStep:
         loss = torch.stack([t.detach().float() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
         loss = loss.reshape(1).to(self.device)
         if topo.pp > 1:
-            dist.broadcast(loss, src=topo.pp_global_ranks[-1], group=topo.pp_group)
+            dist.broadcast(loss, src=topo.pp_global_ranks[-1], group=topo.pp_sync_group)
         if topo.dp > 1:
             dist.all_reduce(loss, group=topo.dp_group)
             loss /= topo.dp

@@ -31,6 +31,8 @@ class Topology:
     pp_group: ProcessGroup | None = field(default=None, repr=False)
     # {first stage, last stage} ranks at this rank's (dp, tp) coordinate: tied embeddings sum here
     tie_group: ProcessGroup | None = field(default=None, repr=False)
+    # the pipeline's ranks again, for collectives (the loss), kept apart from its point-to-point group
+    pp_sync_group: ProcessGroup | None = field(default=None, repr=False)
     pp_global_ranks: tuple[int, ...] = ()
 
     @property
@@ -89,17 +91,23 @@ def init_topology(pp: int = 1, tp: int = 1, dp: int | None = None, device_type: 
     coords = mesh.get_coordinate()
     pp_rank, dp_rank, tp_rank = coords
     layout = mesh.mesh.tolist()
+    pp_group = pp_sync_group = mesh.get_group("pp")
     tie_group = None
     if pp > 1:
+        # Pipeline point-to-point traffic gets groups of its own: a mesh dimension spanning the
+        # whole world is the default group, and gloo can match a pending send of a pipeline with a
+        # later collective on the same group (an intermittent hang).
         for i in range(dp):
             for j in range(tp):
-                ranks = [layout[0][i][j], layout[pp - 1][i][j]]
-                group = dist.new_group(ranks)
+                stages = [layout[s][i][j] for s in range(pp)]
+                group = dist.new_group(stages)
+                sync = dist.new_group(stages)
+                tie = dist.new_group([stages[0], stages[-1]])
                 if (i, j) == (dp_rank, tp_rank):
-                    tie_group = group
+                    pp_group, pp_sync_group, tie_group = group, sync, tie
     pp_ranks = tuple(layout[s][dp_rank][tp_rank] for s in range(pp))
     return Topology(
         dp=dp, pp=pp, tp=tp, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, mesh=mesh,
-        tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=mesh.get_group("pp"),
-        tie_group=tie_group, pp_global_ranks=pp_ranks,
+        tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=pp_group,
+        tie_group=tie_group, pp_sync_group=pp_sync_group, pp_global_ranks=pp_ranks,
     )

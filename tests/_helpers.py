@@ -46,7 +46,4 @@ def parallel_schedule(preset: str, topology, ckpt_ratio: float = 0.0) -> st.Sche
     apply_pipeline_cuts(blocks(sch, preset), topology.pp)
     return sch
 
-
-def bias_then(act):
-    """The pattern ``act(x + b)``: a bias addition followed by the activation module ``act``."""
-    return lambda x, b: act(x + b)
+from slapo_tune import bias_then  # noqa: E402,F401  (re-exported for the test modules)

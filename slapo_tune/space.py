@@ -1,0 +1,266 @@
+"""Search spaces of schedule knobs with finite, dependent domains.
+
+A :class:`Space` is an ordered list of :class:`Knob` s. A knob's raw domain may depend on the
+values chosen for earlier knobs (``pp`` must divide ``world_size / tp``), and the space can add
+constraints on complete points. The *legal* values of a knob are the raw values that still have a
+legal completion, so a sampler walking the knobs in order never reaches a dead end, and never
+sees an illegal point. Derived knobs (``dp``) are computed, not chosen.
+
+For Optuna's define-by-run API each knob is suggested under a name that includes the values of
+the knobs its domain depends on (``"pp|tp=2"``), so every suggested name always has the same
+choices, as Optuna requires.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UsageError
+
+Point = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One schedule decision.
+
+    ``choices(point)`` returns the raw domain given the earlier knobs' values (``point``);
+    ``depends`` names those knobs (they qualify the Optuna parameter name). A ``derive``d knob is
+    computed from earlier ones and never suggested.
+    """
+
+    name: str
+    choices: Callable[[Point], Sequence[Any]] | Sequence[Any] = ()
+    depends: tuple[str, ...] = ()
+    derive: Callable[[Point], Any] | None = None
+    doc: str = ""
+    kind: type = int
+
+    def raw(self, point: Point) -> list[Any]:
+        if self.derive is not None:
+            return [self.derive(point)]
+        values = self.choices(point) if callable(self.choices) else self.choices
+        return list(values)
+
+
+@dataclass
+class Space:
+    """An ordered set of knobs plus constraints on complete points."""
+
+    knobs: list[Knob]
+    constraints: list[Callable[[Point], str | None]] = field(default_factory=list)
+    context: dict[str, Any] = field(default_factory=dict)  # what the domains were computed for
+
+    def __post_init__(self) -> None:
+        self._by_name = {k.name: k for k in self.knobs}
+        self._completion_cache: dict[tuple, bool] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [k.name for k in self.knobs]
+
+    @property
+    def free(self) -> list[Knob]:
+        """Knobs a sampler chooses (not derived)."""
+        return [k for k in self.knobs if k.derive is None]
+
+    def knob(self, name: str) -> Knob:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UsageError(f"unknown knob '{name}' (knobs: {', '.join(self.names)})") from None
+
+    # ------------------------------------------------------------ enumeration
+    def _violation(self, point: Point) -> str | None:
+        for check in self.constraints:
+            reason = check(point)
+            if reason:
+                return reason
+        return None
+
+    def _walk(self, point: Point, index: int) -> Iterator[Point]:
+        if index == len(self.knobs):
+            if self._violation(point) is None:
+                yield dict(point)
+            return
+        knob = self.knobs[index]
+        for value in knob.raw(point):
+            point[knob.name] = value
+            yield from self._walk(point, index + 1)
+        point.pop(knob.name, None)
+
+    def enumerate(self, prefix: Mapping[str, Any] | None = None) -> Iterator[Point]:
+        """Every legal point (extending ``prefix``, whose knobs must come first), in knob order."""
+        point = dict(prefix or {})
+        start = len(point)
+        if list(point) != self.names[:start]:
+            raise UsageError(f"a prefix must give the first knobs in order ({', '.join(self.names)})")
+        return self._walk(point, start)
+
+    def count(self) -> int:
+        """Number of legal points (without listing them: a knob with a fixed domain that no later
+        knob depends on multiplies the count)."""
+        needed = {d for k in self.knobs for d in k.depends}
+
+        def walk(point: Point, index: int) -> int:
+            if index == len(self.knobs):
+                return 0 if self._violation(point) else 1
+            knob = self.knobs[index]
+            if (not self.constraints and knob.derive is None and not callable(knob.choices)
+                    and knob.name not in needed):
+                return len(knob.choices) * walk(point, index + 1)
+            total = 0
+            for value in knob.raw(point):
+                point[knob.name] = value
+                total += walk(point, index + 1)
+            point.pop(knob.name, None)
+            return total
+
+        return walk({}, 0)
+
+    def _completes(self, prefix: Point) -> bool:
+        key = tuple(prefix.items())
+        if key not in self._completion_cache:
+            self._completion_cache[key] = next(self.enumerate(prefix), None) is not None
+        return self._completion_cache[key]
+
+    def legal_values(self, name: str, prefix: Mapping[str, Any]) -> list[Any]:
+        """Values of knob ``name`` that keep ``prefix`` (all earlier knobs) completable."""
+        knob = self.knob(name)
+        prefix = dict(prefix)
+        return [v for v in knob.raw(prefix) if self._completes({**prefix, name: v})]
+
+    def domains(self) -> dict[str, list[Any]]:
+        """Every value each knob takes in some legal point."""
+        seen: dict[str, list[Any]] = {n: [] for n in self.names}
+        for point in self.enumerate():
+            for n, v in point.items():
+                if v not in seen[n]:
+                    seen[n].append(v)
+        return seen
+
+    # ------------------------------------------------------------- checking
+    def complete(self, partial: Mapping[str, Any]) -> Point:
+        """A legal point with the given knob values; unspecified knobs take their first legal value.
+
+        Raises :class:`UsageError` naming the knob and its legal values when a value is illegal.
+        """
+        for name in partial:
+            self.knob(name)
+        point: Point = {}
+        for knob in self.knobs:
+            legal = self.legal_values(knob.name, point)
+            if knob.name in partial:
+                value = partial[knob.name]
+                if value not in legal:
+                    given = ", ".join(f"{k}={v}" for k, v in point.items() if k in knob.depends)
+                    where = f" with {given}" if given else ""
+                    values = ", ".join(str(v) for v in legal) or "none"
+                    raise UsageError(f"{knob.name}={value} is not legal for this model and world{where}; legal values: {values}")
+            elif legal:
+                value = legal[0]
+            else:
+                raise UsageError(f"no legal value for {knob.name} given {format_point(point)}")
+            point[knob.name] = value
+        return point
+
+    def is_legal(self, point: Mapping[str, Any]) -> bool:
+        try:
+            return self.complete(point) == dict(point)
+        except UsageError:
+            return False
+
+    # ---------------------------------------------------------------- optuna
+    def param_name(self, knob: Knob, point: Point) -> str:
+        if not knob.depends:
+            return knob.name
+        return knob.name + "|" + ",".join(f"{d}={point[d]}" for d in knob.depends)
+
+    def suggest(self, trial: Any) -> Point:
+        """Ask an Optuna trial (define-by-run) for a legal point, knob by knob."""
+        point: Point = {}
+        for knob in self.knobs:
+            if knob.derive is not None:
+                point[knob.name] = knob.derive(point)
+                continue
+            legal = self.legal_values(knob.name, point)
+            point[knob.name] = trial.suggest_categorical(self.param_name(knob, point), legal)
+        return point
+
+    def point_from_params(self, params: Mapping[str, Any]) -> Point:
+        """Rebuild a point from an Optuna trial's (qualified) parameter names."""
+        point: Point = {}
+        for knob in self.knobs:
+            point[knob.name] = knob.derive(point) if knob.derive else params[self.param_name(knob, point)]
+        return point
+
+    def distributions(self, point: Point) -> dict[str, Any]:
+        """Optuna distributions of ``point``'s parameters (to enqueue or add a trial)."""
+        import optuna
+
+        dists, partial = {}, {}
+        for knob in self.knobs:
+            if knob.derive is None:
+                dists[self.param_name(knob, partial)] = optuna.distributions.CategoricalDistribution(
+                    self.legal_values(knob.name, partial))
+            partial[knob.name] = point[knob.name]
+        return dists
+
+    def params_of(self, point: Point) -> dict[str, Any]:
+        """``point`` under its Optuna parameter names."""
+        partial, params = {}, {}
+        for knob in self.knobs:
+            if knob.derive is None:
+                params[self.param_name(knob, partial)] = point[knob.name]
+            partial[knob.name] = point[knob.name]
+        return params
+
+
+def format_point(point: Mapping[str, Any]) -> str:
+    """Stable one-line text form: ``tp=2,pp=1,dp=2,...`` in knob order."""
+    return ",".join(f"{k}={v}" for k, v in point.items())
+
+
+def point_json(point: Mapping[str, Any]) -> str:
+    """Stable JSON form (knob order preserved)."""
+    return json.dumps(dict(point))
+
+
+def parse_knobs(text: str) -> dict[str, str]:
+    """``"tp=2,pp=2"`` -> ``{"tp": "2", "pp": "2"}``; a knob given twice or a malformed item is a
+    :class:`UsageError`."""
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise UsageError(f"knobs must be NAME=VALUE separated by commas, got '{item}'")
+        name = name.strip()
+        if name in out:
+            raise UsageError(f"knob '{name}' is given twice")
+        out[name] = value.strip()
+    return out
+
+
+def coerce(space: Space, raw: Mapping[str, str]) -> dict[str, Any]:
+    """Convert textual knob values to the types of the knobs' domains (given in knob order)."""
+    out: dict[str, Any] = {}
+    for name, text in raw.items():
+        kind = space.knob(name).kind
+        try:
+            out[name] = kind(text)
+        except ValueError:
+            raise UsageError(f"{name}={text}: not a valid {kind.__name__}") from None
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def product_size(domains: Mapping[str, Sequence[Any]]) -> int:
+    """Size of the unconstrained cartesian product (for reports)."""
+    return math.prod(len(v) for v in domains.values()) if domains else 0

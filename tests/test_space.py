@@ -1,0 +1,163 @@
+"""Knob API and the templates' spaces: legal points only, enumerated and counted, Optuna-ready."""
+
+import json
+import random
+
+import optuna
+import pytest
+
+from search_spaces import TEMPLATES, load_template, template_for
+from slapo_tune import UsageError
+from slapo_tune.models import load_config
+from slapo_tune.space import Knob, Space, coerce, format_point, parse_knobs, point_json
+from slapo_tune.template import ModelInfo, Workload, accumulation
+
+TINY = {"gpt2": "gpt2-tiny", "llama": "llama-tiny", "bert": "bert-tiny", "opt": "opt-tiny"}
+
+
+def _space(preset, world, global_batch=8, template=None):
+    config = load_config(preset)
+    tpl = load_template(template) if template else template_for(config)
+    return tpl, ModelInfo.from_config(config), tpl.space(ModelInfo.from_config(config), Workload(world, global_batch, 16))
+
+
+def _check_invariants(point, info, world, global_batch):
+    tp, pp, dp = point["tp"], point["pp"], point["dp"]
+    assert tp * pp * dp == world
+    assert all(d % tp == 0 for d in (info.heads, info.kv_heads, info.vocab, info.intermediate))
+    assert info.layers % pp == 0
+    assert global_batch % (dp * point["micro_batch"]) == 0
+    accum = accumulation(point, Workload(world, global_batch))
+    assert dp * point["micro_batch"] * accum == global_batch  # the global batch is held fixed
+    if point["pipeline_schedule"] == "1f1b" and pp > 1:
+        assert accum >= pp
+    if pp == 1:
+        assert point["pipeline_schedule"] == "1f1b"  # no duplicate gpipe points without a pipeline
+    if dp == 1:
+        assert point["zero"] == 0
+
+
+@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_legal_point_is_enumerated_and_legal(family, world):
+    _, info, space = _space(TINY[family], world)
+    points = list(space.enumerate())
+    assert len(points) == space.count() > 0
+    assert len({format_point(p) for p in points}) == len(points)  # no duplicates
+    for p in points:
+        _check_invariants(p, info, world, 8)
+    layouts = {(p["tp"], p["pp"]) for p in points}
+    expected = {(t, s) for t in (1, 2, 4) for s in (1, 2, 4) if t * s <= world and world % (t * s) == 0}
+    assert layouts == expected  # tiny presets: every factorisation of 1, 2 and 4 is legal
+    assert {p["fuse"] for p in points} == {"off", "on"} and {p["attn"] for p in points} == {"sdpa", "eager"}
+
+
+def test_domains_depend_on_earlier_knobs():
+    _, _, space = _space("gpt2-tiny", 4)
+    assert space.legal_values("pp", {"tp": 4}) == [1]
+    assert space.legal_values("pp", {"tp": 1}) == [1, 2, 4]
+    dp2 = {"tp": 2, "pp": 1, "dp": 2}
+    assert space.legal_values("zero", dp2) == [0, 3]
+    assert space.legal_values("micro_batch", {**dp2, "zero": 0}) == [1, 2, 4]  # divisors of 8 / dp
+    pipe = {"tp": 1, "pp": 4, "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.0}
+    assert space.legal_values("pipeline_schedule", pipe) == ["gpipe"]  # 2 micro-batches < 4 stages
+
+
+def test_text_and_json_forms_are_stable():
+    _, _, space = _space("llama-tiny", 2)
+    point = space.complete({"tp": 2, "ckpt_ratio": 0.5})
+    text = format_point(point)
+    assert text == "tp=2,pp=1,dp=1,zero=0,micro_batch=1,ckpt_ratio=0.5,pipeline_schedule=1f1b,attn=sdpa,fuse=off"
+    assert json.loads(point_json(point)) == point and list(json.loads(point_json(point))) == space.names
+    again = space.complete(coerce(space, parse_knobs(text)))
+    assert again == point
+
+
+def test_bad_knobs_are_usage_errors_naming_legal_values():
+    _, _, space = _space("gpt2-tiny", 4)
+    with pytest.raises(UsageError, match=r"unknown knob 'tpp' \(knobs: tp, pp, dp"):
+        space.complete({"tpp": 1})
+    with pytest.raises(UsageError, match="knob 'tp' is given twice"):
+        parse_knobs("tp=2,pp=1,tp=4")
+    with pytest.raises(UsageError, match=r"tp=3 is not legal for this model and world; legal values: 1, 2, 4"):
+        space.complete({"tp": 3})
+    with pytest.raises(UsageError, match=r"pp=4 is not legal .* with tp=2; legal values: 1, 2"):
+        space.complete({"tp": 2, "pp": 4})
+    with pytest.raises(UsageError, match=r"dp=3 is not legal .* legal values: 4"):
+        space.complete({"dp": 3})
+    with pytest.raises(UsageError, match="not a valid float"):
+        coerce(space, {"ckpt_ratio": "half"})
+
+
+class _RecordingTrial:
+    """Stands in for an Optuna trial: picks choices by a seeded rule and records every call."""
+
+    def __init__(self, seed, seen):
+        self.rng, self.seen = random.Random(seed), seen
+
+    def suggest_categorical(self, name, choices):
+        assert self.seen.setdefault(name, list(choices)) == list(choices), f"{name}: choices changed"
+        return self.rng.choice(list(choices))
+
+
+def test_suggest_only_yields_legal_points_with_stable_parameter_names():
+    _, _, space = _space("opt-tiny", 4)
+    legal = {format_point(p) for p in space.enumerate()}
+    seen: dict = {}
+    suggested = {format_point(space.suggest(_RecordingTrial(seed, seen))) for seed in range(300)}
+    assert suggested <= legal and len(suggested) > 150  # of 300 draws (collisions expected)
+    assert "pp|tp=2" in seen and "micro_batch|tp=1,pp=2" in seen
+
+
+def test_optuna_samplers_see_only_legal_points():
+    _, _, space = _space("llama-tiny", 4)
+    legal = {format_point(p) for p in space.enumerate()}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for sampler in (optuna.samplers.RandomSampler(seed=0), optuna.samplers.TPESampler(seed=0)):
+        study = optuna.create_study(sampler=sampler)
+        study.optimize(lambda t: float(space.suggest(t)["micro_batch"]), n_trials=40)
+        for trial in study.trials:
+            point = space.point_from_params(trial.params)
+            assert format_point(point) in legal
+            assert space.params_of(point) == trial.params
+
+
+def test_custom_knobs_and_constraints():
+    space = Space(
+        [Knob("a", [1, 2, 3]), Knob("b", lambda p: range(p["a"]), ("a",)), Knob("c", derive=lambda p: p["a"] + p["b"])],
+        constraints=[lambda p: "too big" if p["c"] > 3 else None],
+    )
+    assert [format_point(p) for p in space.enumerate()] == [
+        "a=1,b=0,c=1", "a=2,b=0,c=2", "a=2,b=1,c=3", "a=3,b=0,c=3"]
+    assert space.count() == 4
+    assert space.legal_values("b", {"a": 3}) == [0]  # b=1, 2 have no legal completion
+
+
+@pytest.mark.parametrize("preset,world", [("llama-7b", 64), ("llama-70b", 64), ("gpt2-xl", 64), ("bert-large", 64), ("opt-6.7b", 64)])
+def test_real_size_spaces_are_counted(preset, world):
+    tpl, info, space = _space(preset, world, global_batch=8 * world)
+    n = space.count()
+    assert n > 1000
+    tps = set(space.legal_values("tp", {}))
+    assert tps == {t for t in (1, 2, 4, 8, 16, 32, 64) if all(d % t == 0 for d in tpl.tp_divides(info))}
+
+
+def test_template_selection_and_loading(tmp_path):
+    assert template_for(load_config("gpt2-tiny")).name == "gpt2"
+    assert template_for(load_config("mistral-7b")).name == "llama"
+    assert template_for(load_config("qwen2-7b")).name == "llama"
+    assert set(TEMPLATES) == {"gpt2", "llama", "bert", "opt", "generic"}
+    assert load_template("search_spaces.opt:TEMPLATE") is TEMPLATES["opt"]
+    assert load_template("search_spaces.bert").name == "bert"
+    mine = tmp_path / "my_template.py"
+    mine.write_text("from search_spaces.llama import LlamaTemplate\n\n"
+                    "class Mine(LlamaTemplate):\n    name = 'mine'\n")
+    assert load_template(str(mine)).name == "mine"
+    with pytest.raises(UsageError, match="unknown space/template 'llamma'"):
+        load_template("llamma")
+    with pytest.raises(UsageError, match="does not exist"):
+        load_template(str(tmp_path / "missing.py"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(UsageError, match="cannot load template file .*RuntimeError: boom"):
+        load_template(str(broken))

@@ -1,0 +1,84 @@
+"""Every template turns legal points into schedules that verify against the unscheduled model.
+
+A seeded sample (one point per (tp, pp) layout, per template, at world sizes 1, 2 and 4) runs by
+default; ``-m slow`` verifies every legal point.
+"""
+
+import random
+
+import pytest
+import transformers
+
+from search_spaces import template_for
+from slapo_tune.launch import launch
+from slapo_tune.models import load_config
+from slapo_tune.realize import ModelSpec
+from slapo_tune.space import format_point
+from slapo_tune.template import ModelInfo, Workload
+
+from _template_workers import verify_points
+
+TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"]
+GLOBAL_BATCH, SEQ = 8, 16
+
+
+def _points(preset, world, sample):
+    config = load_config(preset)
+    template = template_for(config)
+    workload = Workload(world, GLOBAL_BATCH, SEQ)
+    points = list(template.space(ModelInfo.from_config(config), workload).enumerate())
+    if sample:
+        rng = random.Random(f"{preset}-{world}")
+        by_layout = {}
+        for p in points:
+            by_layout.setdefault((p["tp"], p["pp"]), []).append(p)
+        points = [rng.choice(group) for _, group in sorted(by_layout.items())]
+    return [((preset, format_point(p)), ModelSpec(preset), template.name, p, workload) for p in points]
+
+
+def _run(world, cases):
+    results = launch(verify_points, world, args=(cases,), timeout=3000)
+    failures = []
+    for key, *_ in cases:
+        for r in results:
+            res = r[key]
+            if not res["ok"]:
+                failures.append(f"{key[0]} {key[1]} rank {res['rank']}:\n{res['report']}")
+            else:
+                assert res["max_grad_error"] < 1e-4 and res["loss_error"] < 1e-4 and res["params"] > 5
+    assert not failures, "\n".join(failures[:5])
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sampled_points_of_every_template_verify(world):
+    cases = [c for preset in TINY for c in _points(preset, world, sample=True)]
+    layouts = {(c[3]["tp"], c[3]["pp"]) for c in cases}
+    assert len(layouts) == {1: 1, 2: 3, 4: 6}[world]
+    _run(world, cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", TINY)
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_point_verifies(preset, world):
+    _run(world, _points(preset, world, sample=False))
+
+
+def test_generic_template_on_an_untemplated_decoder(tmp_path):
+    config = transformers.GPTNeoXConfig(
+        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=512,
+        max_position_embeddings=128, bos_token_id=0, eos_token_id=2, attention_dropout=0.0, hidden_dropout=0.0)
+    config.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    template = template_for(load_config(path))
+    assert template.name == "generic"
+    workload = Workload(4, GLOBAL_BATCH, SEQ)
+    space = template.space(ModelInfo.from_config(load_config(path)), workload)
+    cases = []
+    for knobs in ({"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "ckpt_ratio": 1.0, "pipeline_schedule": "1f1b",
+                                        "micro_batch": 2}, {"tp": 4, "attn": "eager"}):
+        point = space.complete(knobs)
+        cases.append(((path, format_point(point)), ModelSpec(path), "generic", point, workload))
+    results = _run(4, cases)
+    assert {r[cases[0][0]]["stage"] for r in results} == {0, 1}
