@@ -111,6 +111,16 @@ def _sentinel(t: torch.Tensor) -> float | int:
     return float("nan") if t.is_floating_point() or t.is_complex() else -(2**31) + 7
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _unwritten(full: torch.Tensor, sentinel: float | int) -> bool:
+    return bool(full.isnan().any() if isinstance(sentinel, float) else (full == sentinel).any())
+
+
 INIT_OWNERS_ATTR = "_slapo_init_owners"
 
 
@@ -208,9 +218,7 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
                 if id(t) not in kept:
                     continue
                 full = kept.pop(id(t))
-                sentinel = _sentinel(t)
-                unwritten = full.isnan().any() if isinstance(sentinel, float) else (full == sentinel).any()
-                if bool(unwritten):
+                if not _is_fake(full) and _unwritten(full, _sentinel(t)):
                     raise MaterializeError(
                         f"{path or 'model'}: {type(m).__name__}.{name} is on the meta device and its "
                         "initialiser did not set it; build the model on a real device or give the module "

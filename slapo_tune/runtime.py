@@ -25,6 +25,12 @@ def _schedule_class(name: str):
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
 
 
+def default_optimizer(params, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """The optimizer trials, the training job and the cost model assume: AdamW (two moment
+    tensors per parameter, in the parameter's dtype)."""
+    return torch.optim.AdamW(params, lr=lr)
+
+
 def default_loss_fn(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The model's own Hugging Face loss (shifted for causal LMs), applied to logits."""
     vocab = model.config.vocab_size
@@ -67,7 +73,18 @@ class TrainStep:
         from torch.distributed.pipelining import PipelineStage
 
         info = self.model.info
-        stage = PipelineStage(self.model, info.index, info.num_stages, self.device, group=self.topology.pp_group)
+        # Shapes given up front put the stage in static mode: no metadata inference round trips
+        # (and none of the data-dependent reads that a shape-only dry run cannot answer).
+        config = self.model.model.config
+        dtype = next(self.model.parameters()).dtype
+        batch, seq = shape
+        hidden = torch.empty(batch, seq, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        logits = torch.empty(batch, seq, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+        stage = PipelineStage(self.model, info.index, info.num_stages, self.device,
+                              input_args=(ids if info.is_first else hidden,),
+                              output_args=(logits if info.is_last else hidden,),
+                              group=self.topology.pp_group)
         self._schedule = _schedule_class(self.schedule_name)(stage, self.n_microbatches, loss_fn=self.loss_fn)
         self._shape = shape
 
@@ -85,6 +102,10 @@ class TrainStep:
         return ids[rows].to(self.device), labels[rows].to(self.device)
 
     def __call__(self, batch: Mapping[str, torch.Tensor]) -> float:
+        return self.run(batch).item()
+
+    def run(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """As calling the step, but the loss stays a one-element tensor (no host synchronisation)."""
         ids, labels = self.local_batch(batch)
         shape = (ids.shape[0] // self.n_microbatches, *ids.shape[1:])
         if shape != self._shape:  # stages record shapes on their first step
@@ -92,12 +113,14 @@ class TrainStep:
         info, topo = self.model.info, self.topology
         self.model.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
+        # return_outputs=False: merging every micro-batch's logits would keep them all alive
         if info.is_first:
-            self._schedule.step(ids, target=labels if info.is_last else None, losses=losses if info.is_last else None)
+            self._schedule.step(ids, target=labels if info.is_last else None, losses=losses if info.is_last else None,
+                                return_outputs=False)
         elif info.is_last:
-            self._schedule.step(target=labels, losses=losses)
+            self._schedule.step(target=labels, losses=losses, return_outputs=False)
         else:
-            self._schedule.step()
+            self._schedule.step(return_outputs=False)
         self._sync_gradients()
         loss = torch.stack([t.detach().float() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
         loss = loss.reshape(1).to(self.device)
@@ -106,7 +129,7 @@ class TrainStep:
         if topo.dp > 1:
             dist.all_reduce(loss, group=topo.dp_group)
             loss /= topo.dp
-        return loss.item()
+        return loss
 
     def _sync_gradients(self) -> None:
         topo, info = self.topology, self.model.info

@@ -1,0 +1,115 @@
+"""Cost model: predict the peak memory and step time of schedule points, before running them.
+
+Two fidelities of memory: *analytic* (closed-form terms, microseconds per point, for whole spaces
+and ``plan``) and *exact* (one fake step per pipeline stage, seconds per point, equal to a real
+step's tensor-level peak on CPU). The analytic weights are calibrated from exact points and cached
+per (device, family, dtype). Time is analytic (compute, overheads, communication, bubble).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..template import Template, Workload
+from . import calibration as _calibration
+from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
+from .analytic import (
+    MemoryPrediction,
+    ModelLayout,
+    TimePrediction,
+    layout_of,
+    memory_terms,
+    model_flops_per_step,
+    predict_memory,
+    predict_time,
+)
+from .calibration import Calibration
+from .hardware import PRESETS, Hardware, hardware
+
+
+@dataclass
+class Verdict:
+    """Whether a point fits a memory budget, and why not."""
+
+    fits: bool
+    predicted: int
+    reason: str = ""
+
+
+class CostModel:
+    """Memory and time predictions for one model, template, workload and device."""
+
+    def __init__(self, spec, template: Template, workload: Workload, device: Hardware,
+                 calibration: Calibration | None = None, layout: ModelLayout | None = None):
+        self.spec, self.template, self.workload, self.device = spec, template, workload, device
+        self.layout = layout or layout_of(spec.build("meta"), template)
+        self.dtype = {4: "fp32", 2: "16bit", 8: "fp64"}.get(self.layout.dtype_bytes, "dtype")
+        self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.dtype) or Calibration()
+
+    # ------------------------------------------------------------------ memory
+    def memory(self, point: Mapping[str, Any]) -> MemoryPrediction:
+        """Analytic peak per stage (calibrated weights where available)."""
+        return predict_memory(self.layout, point, self.workload, self.calibration.weights,
+                              self.calibration.uncertainty)
+
+    def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
+        """Exact peak per stage (one fake step per stage)."""
+        from .exact import exact_memory
+
+        return exact_memory(self.spec, self.template, point, self.workload)
+
+    def verdict(self, point: Mapping[str, Any], budget: int, exact: bool = False) -> Verdict:
+        """Does ``point`` fit ``budget`` bytes per rank? Prunes only what cannot fit even at the
+        optimistic end of the prediction's uncertainty (exact mode has none)."""
+        if exact:
+            peaks = {s: b.total for s, b in self.exact(point).items()}
+            worst = max(peaks, key=peaks.get)
+            if peaks[worst] > budget:
+                return Verdict(False, peaks[worst], f"exact peak {_fmt(peaks[worst])} on stage {worst} > budget {_fmt(budget)}")
+            return Verdict(True, peaks[worst])
+        pred = self.memory(point)
+        if pred.lower > budget:
+            return Verdict(False, pred.peak, f"predicted peak {_fmt(pred.peak)} (at least {_fmt(pred.lower)}) "
+                                             f"on stage {pred.worst_stage} > budget {_fmt(budget)}")
+        return Verdict(True, pred.peak)
+
+    def calibrate(self, points: Iterable[Mapping[str, Any]], measured: Iterable[Mapping[int, int]] | None = None,
+                  save: bool = True) -> Calibration:
+        """Fit the analytic weights to exact-mode peaks of ``points`` (or to ``measured`` peaks per
+        stage, same order), and cache them for this device, family and dtype."""
+        points = list(points)
+        peaks = list(measured) if measured is not None else [
+            {s: b.total for s, b in self.exact(p).items()} for p in points]
+        samples = []
+        for point, per_stage in zip(points, peaks):
+            terms = memory_terms(self.layout, point, self.workload)
+            for st in terms:
+                if st.stage in per_stage:
+                    samples.append((st.terms, per_stage[st.stage]))
+        self.calibration = _calibration.fit(samples, "measured" if measured is not None else "exact")
+        if save:
+            _calibration.save(self.calibration, self.device.name, self.layout.family, self.dtype)
+        return self.calibration
+
+    # -------------------------------------------------------------------- time
+    def time(self, point: Mapping[str, Any]) -> TimePrediction:
+        return predict_time(self.layout, point, self.workload, self.device)
+
+    def mfu(self, step_seconds: float, world_size: int) -> float:
+        """Model FLOPs utilisation of a measured step time."""
+        return model_flops_per_step(self.layout, self.workload) / (step_seconds * world_size * self.device.flops)
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+__all__ = [
+    "PRESETS", "Calibration", "CostModel", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
+    "PeakTracker", "TimePrediction", "Verdict", "hardware", "layout_of", "tracked_step",
+]

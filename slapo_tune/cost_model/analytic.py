@@ -1,0 +1,306 @@
+"""Analytic memory and time: closed-form terms, microseconds per point.
+
+Memory per pipeline stage is a weighted sum of *terms*, each a byte count derived from the model's
+sizes and the point's knobs (tensor parallelism divides what it shards, checkpointed blocks keep
+only their input, a GPipe stage holds all its micro-batches in flight, a 1F1B stage ``s`` holds
+``pp - s``, the last stage also holds the logits...). The weights are how many times a term's
+bytes are alive at the peak; defaults come from the textbook counts and :mod:`.calibration`
+fits them to exact-mode (or measured) points per device, model family and dtype.
+
+Time is compute (FLOPs at an achievable rate, recomputation included) plus a fixed cost per block
+and micro-batch, plus tensor-parallel, data-parallel and pipeline communication (alpha-beta), with
+the pipeline bubble: good enough to rank points.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..template import Template, Workload, accumulation
+from .hardware import Hardware
+
+MEMORY_TERMS = (
+    "states",  # parameters held by the rank (sharded by tp, and by dp under zero=3)
+    "gathered",  # one block's parameters unsharded (zero=3 all-gathers them while it runs)
+    "act_replicated",  # per-token activations every tp rank keeps (norm inputs, residuals)
+    "act_parallel",  # per-token activations inside the tensor-parallel region (Q/K/V, MLP width)
+    "act_scores",  # eager attention's score matrices
+    "act_checkpointed",  # inputs of checkpointed blocks
+    "recompute",  # one block's activations rebuilt during its backward
+    "logits",  # logits and the loss's softmax (last stage)
+    "constant",
+)
+
+# How many times each term's bytes are alive at the peak, before calibration: parameters,
+# gradients and AdamW's two moments (4x); activations saved for backward plus the gradients
+# flowing through them.
+DEFAULT_WEIGHTS = {
+    "states": 4.0,
+    "gathered": 2.0,
+    "act_replicated": 6.0,
+    "act_parallel": 2.0,
+    "act_scores": 2.0,
+    "act_checkpointed": 1.0,
+    "recompute": 1.0,
+    "logits": 3.0,
+    "constant": 1.0,
+}
+DEFAULT_UNCERTAINTY = 0.15  # relative, before calibration
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The parameter and activation sizes of one model, found once from its meta-device build."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated_mlp: bool
+    dtype_bytes: int
+    block_sharded: int  # per block: parameters tensor parallelism splits
+    block_replicated: int  # per block: parameters every tp rank keeps
+    pre_sharded: int  # before the blocks (token embedding)
+    pre_replicated: int  # before the blocks (positions, embedding norms)
+    post_sharded: int  # after the blocks (LM head) if not tied to the embedding
+    post_replicated: int  # after the blocks (final norm, head transform)
+    tied_head: bool
+
+    @property
+    def parameters(self) -> int:
+        return (self.layers * (self.block_sharded + self.block_replicated) + self.pre_sharded
+                + self.pre_replicated + self.post_sharded + self.post_replicated)
+
+
+def layout_of(model: nn.Module, template: Template) -> ModelLayout:
+    """Measure a (meta-device) model: which parameters sit in blocks, before and after them."""
+    from .._pipeline import _dry_run, _topmost
+
+    config = model.config
+    blocks_path = template.blocks_path(model)
+    blocks = model.get_submodule(blocks_path)
+    block0 = blocks[0]
+
+    def split(params) -> tuple[int, int]:
+        sharded = sum(p.numel() for p in params if p.dim() >= 2)
+        return sharded, sum(p.numel() for p in params if p.dim() < 2)
+
+    block_sharded, block_rep = split(block0.parameters())
+    calls = _dry_run(model)
+    start = calls[f"{blocks_path}.0"].order
+    pre, post = [], []
+    for path, m in model.named_modules():
+        if (not path or path not in calls or path == blocks_path or path.startswith(blocks_path + ".")
+                or blocks_path.startswith(path + ".") or not any(True for _ in m.parameters())):
+            continue
+        (pre if calls[path].order < start else post).append(path)
+    pre_params = {id(p): p for path in _topmost(pre) for p in model.get_submodule(path).parameters()}
+    post_params = {id(p): p for path in _topmost(post) for p in model.get_submodule(path).parameters()}
+    tied = bool(set(pre_params) & set(post_params))
+    post_only = [p for k, p in post_params.items() if k not in pre_params]
+    pre_sharded, pre_rep = split(pre_params.values())
+    post_sharded, post_rep = split(post_only)
+    heads = config.num_attention_heads
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+             or getattr(config, "n_inner", None) or 4 * hidden)
+    gated = any(hasattr(block0.get_submodule(p), "gate_proj") for p, _ in block0.named_modules() if p)
+    dtype = next(model.parameters()).dtype
+    return ModelLayout(
+        family=getattr(config, "model_type", "model"), layers=len(blocks), hidden=hidden, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        intermediate=inter, vocab=config.vocab_size, gated_mlp=gated,
+        dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
+        pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
+    )
+
+
+def in_flight(point: Mapping[str, Any], stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at its peak."""
+    pp = point["pp"]
+    if pp == 1:
+        return 1
+    if point["pipeline_schedule"] == "gpipe":
+        return micro_batches
+    return min(pp - stage, micro_batches)
+
+
+def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
+    from ..parallelize import checkpointed_indices
+
+    chosen = checkpointed_indices(total_layers, ratio, "uniform")
+    # uniform spreading gives every stage its share; count the worst stage's
+    return max(sum(1 for i in chosen if s * layers_on_stage <= i < (s + 1) * layers_on_stage) for s in range(pp))
+
+
+@dataclass
+class StageTerms:
+    stage: int
+    terms: dict[str, float]
+    params: int  # parameters held by the rank
+
+
+def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> list[StageTerms]:
+    """The byte count of every memory term, per pipeline stage."""
+    tp, pp, dp = point["tp"], point["pp"], point["dp"]
+    b, s, B = point["micro_batch"], workload.seq_len, layout.dtype_bytes
+    m = accumulation(point, workload)
+    per_stage = layout.layers // pp
+    ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
+    full = per_stage - ckpt
+    zero_div = dp if point["zero"] == 3 else 1
+    q = layout.heads * layout.head_dim
+    kv = layout.kv_heads * layout.head_dim
+    attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
+    mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
+    tokens = b * s
+    rep_1 = tokens * layout.hidden * B
+    par_1 = tokens * (attn_width + mlp_width) / tp * B
+    scores_1 = b * (layout.heads / tp) * s * s * B if point["attn"] == "eager" else 0.0
+    out = []
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        params = per_stage * (layout.block_sharded / tp + layout.block_replicated)
+        if first:
+            params += layout.pre_sharded / tp + layout.pre_replicated
+        if last:
+            params += layout.post_sharded / tp + layout.post_replicated
+            if layout.tied_head and not first:
+                params += layout.pre_sharded / tp  # the last stage's copy of the tied embedding
+        flight = in_flight(point, stage, m)
+        logits_flight = m if (pp > 1 and point["pipeline_schedule"] == "gpipe") else 1
+        terms = {
+            "states": params / zero_div * B,
+            "gathered": (layout.block_sharded / tp + layout.block_replicated) * B if zero_div > 1 else 0.0,
+            "act_replicated": rep_1 * full * flight,
+            "act_parallel": par_1 * full * flight,
+            "act_scores": scores_1 * full * flight,
+            "act_checkpointed": rep_1 * ckpt * flight,
+            "recompute": (rep_1 + par_1 + scores_1) if ckpt else 0.0,
+            "logits": tokens * layout.vocab * B * logits_flight if last else 0.0,
+            "constant": 2**20,
+        }
+        out.append(StageTerms(stage, terms, int(params / zero_div)))
+    return out
+
+
+@dataclass
+class MemoryPrediction:
+    """Peak bytes per stage, the worst stage and its breakdown, and the model's uncertainty."""
+
+    per_stage: list[int]
+    breakdown: dict[str, int]
+    uncertainty: float
+    params_per_rank: int
+    worst_stage: int = 0
+
+    @property
+    def peak(self) -> int:
+        return max(self.per_stage)
+
+    @property
+    def upper(self) -> int:
+        return int(self.peak * (1 + self.uncertainty))
+
+    @property
+    def lower(self) -> int:
+        return int(self.peak * (1 - self.uncertainty))
+
+
+def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
+                   weights: Mapping[str, float] | None = None,
+                   uncertainty: float = DEFAULT_UNCERTAINTY) -> MemoryPrediction:
+    w = {**DEFAULT_WEIGHTS, **(weights or {})}
+    stages = memory_terms(layout, point, workload)
+    totals = [sum(w[k] * v for k, v in st.terms.items()) for st in stages]
+    worst = max(range(len(totals)), key=totals.__getitem__)
+    breakdown = {k: int(w[k] * v) for k, v in stages[worst].terms.items()}
+    return MemoryPrediction([int(t) for t in totals], breakdown, uncertainty, stages[worst].params, worst)
+
+
+# ---------------------------------------------------------------- time
+TIME_TERMS = ("compute", "overhead", "tp_comm", "dp_comm", "pp_comm")
+DEFAULT_TIME_WEIGHTS = {k: 1.0 for k in TIME_TERMS}
+
+
+@dataclass
+class TimePrediction:
+    step: float  # seconds per optimizer step
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def throughput(self, workload: Workload) -> float:
+        """Samples per second."""
+        return workload.global_batch / self.step if self.step > 0 else 0.0
+
+
+def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce") -> float:
+    if n <= 1 or bytes_ <= 0:
+        return 0.0
+    spans = n > hw.devices_per_node
+    factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans)
+
+
+def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
+    """Seconds per step of each time term (before weights)."""
+    tp, pp, dp = point["tp"], point["pp"], point["dp"]
+    b, s, B = point["micro_batch"], workload.seq_len, layout.dtype_bytes
+    m = accumulation(point, workload)
+    per_stage = layout.layers // pp
+    ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
+    tokens = b * s
+    block_params = layout.block_sharded / tp + layout.block_replicated
+    attn_flops = 4 * b * s * s * layout.heads * layout.head_dim / tp  # QK^T and AV, forward
+    block_fwd = 2 * tokens * block_params + attn_flops
+    stage_fwd = per_stage * block_fwd
+    head_fwd = 2 * tokens * (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
+    flops_mb = 3 * (stage_fwd + head_fwd) + ckpt * block_fwd  # forward + backward, recomputation
+    world = tp * pp * dp
+    rate = hw.flops
+    if hw.cores:  # CPU: ranks share the cores; more ranks than cores time-slice
+        threads = max(1, hw.cores // world)
+        rate = hw.flops * threads / max(1.0, world / hw.cores)
+    compute = (m + pp - 1) * flops_mb / rate
+    overhead = (m + pp - 1) * per_stage * hw.overhead_per_layer * (1 + (2 if tp > 1 else 0))
+    act_bytes = tokens * layout.hidden * B
+    tp_comm = (m + pp - 1) * per_stage * 4 * _ring(act_bytes, tp, hw)
+    pp_comm = 2 * (m + pp - 1) * (hw.latency + act_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
+    stage_param_bytes = per_stage * block_params * B
+    if dp > 1 and point["zero"] == 3:
+        dp_comm = (2 * m * _ring(stage_param_bytes, dp, hw, "all_gather")
+                   + _ring(stage_param_bytes, dp, hw, "all_gather"))
+    else:
+        dp_comm = _ring(stage_param_bytes, dp, hw)
+    return {"compute": compute, "overhead": overhead, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
+
+
+def predict_time(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
+                 weights: Mapping[str, float] | None = None) -> TimePrediction:
+    w = {**DEFAULT_TIME_WEIGHTS, **(weights or {})}
+    terms = time_terms(layout, point, workload, hw)
+    breakdown = {k: w[k] * v for k, v in terms.items()}
+    return TimePrediction(sum(breakdown.values()), breakdown)
+
+
+def model_flops_per_step(layout: ModelLayout, workload: Workload) -> float:
+    """Useful training FLOPs of one step (6 x parameters x tokens + attention), for MFU."""
+    tokens = workload.global_batch * workload.seq_len
+    attn = 12 * layout.layers * layout.hidden * workload.seq_len * tokens
+    return 6 * layout.parameters * tokens + attn
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured if measured else math.inf

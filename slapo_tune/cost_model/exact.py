@@ -1,0 +1,89 @@
+"""Exact memory: run one training step per rank role on fake tensors with a fake process group.
+
+No memory is allocated and nothing is computed or communicated: ``FakeTensorMode`` carries shapes
+and dtypes, the ``fake`` process-group backend completes every collective instantly, and
+:class:`~slapo_tune.cost_model._tracker.StepMemTracker` follows every tensor. It runs exactly the
+code a real rank runs (template, build, the runtime's pipeline schedule, AdamW), so on CPU its
+peak equals a real step's tensor-level peak byte for byte.
+
+Ranks that hold the same pipeline stage behave alike (tensor- and data-parallel ranks are
+symmetric), so one run per stage is enough; the worst stage is the one that must fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..data import synthetic_batch
+from ..errors import SlapoTuneError
+from ..runtime import default_optimizer
+from ..template import Template, Workload
+from ._tracker import MemoryBreakdown, fake_friendly_optimizers, tracked_step
+
+
+@contextlib.contextmanager
+def _static_pipeline_warmup() -> Iterator[None]:
+    """A fake group cannot answer the pipeline's warm-up vote; our stages always give their
+    shapes, so the answer is known: static mode."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    original = schedules._PipelineSchedule._warmup_p2p
+
+    def static(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = static
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = original
+
+
+def stage_rank(point: Mapping[str, Any], stage: int) -> int:
+    """A global rank holding pipeline ``stage`` (mesh order: pp, dp, tp)."""
+    return stage * point["dp"] * point["tp"]
+
+
+def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: Workload, *,
+                 stages: list[int] | None = None, seed: int = 0,
+                 optimizer_factory=None) -> dict[int, MemoryBreakdown]:
+    """Peak tensor memory per pipeline stage of ``point`` (one fake step per stage role).
+
+    Runs in the calling process, which must not be part of a process group already.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..realize import realize
+    from ..topology import init_topology
+
+    if dist.is_initialized():
+        raise SlapoTuneError("exact_memory() runs its own fake process group; call it outside a distributed job")
+    make_optimizer = optimizer_factory or default_optimizer
+    results: dict[int, MemoryBreakdown] = {}
+    for stage in stages if stages is not None else range(point["pp"]):
+        dist.init_process_group("fake", store=FakeStore(), rank=stage_rank(point, stage),
+                                world_size=workload.world_size)
+        try:
+            topology = init_topology(pp=point["pp"], tp=point["tp"])
+            with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), \
+                    _static_pipeline_warmup():
+                torch.manual_seed(seed)
+                run = realize(spec, template, point, workload, seed=seed, topology=topology)
+                optimizer = make_optimizer(run.stage.parameters())
+                config = run.stage.model.config
+                batch = synthetic_batch(config.vocab_size, workload.global_batch, workload.seq_len, seed)
+                run.step.run(batch)  # the first step creates the optimizer state
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                results[stage] = tracked_step(run.step, run.stage, optimizer, batch)
+        finally:
+            dist.destroy_process_group()
+    return results
