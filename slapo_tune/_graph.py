@@ -24,12 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._schedule import INIT_PARTS, ModuleState, state_of
+from ._sharding import is_conv1d
 from .errors import PatternError, ScheduleError, TraceError
-
-try:
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover
-    Conv1D = ()
 
 
 class FusedLinear(nn.Linear):
@@ -99,7 +95,7 @@ class _Tracer(fx.Tracer):
             return False
         if _has_schedule_effects(st) or isinstance(m, (_FusedSlice, _Fused, *self.leaf_types)):
             return True
-        if Conv1D and isinstance(m, Conv1D):
+        if is_conv1d(m):
             return True
         return super().is_leaf_module(m, qualname)
 
@@ -282,7 +278,7 @@ def bias_then(act: Callable) -> Callable:
 
 def decomposed_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Linear / Conv1D as a matrix product followed by a separate bias addition."""
-    if Conv1D and isinstance(module, Conv1D):
+    if is_conv1d(module):
         out = torch.matmul(x, module.weight)
     else:
         out = F.linear(x, module.weight)

@@ -449,9 +449,10 @@ class Schedule:
     def decompose(self) -> None:
         """Split a ``Linear`` / ``Conv1D`` into a matrix product and a separate bias addition, so a
         pattern can fuse the bias with what follows (``trace`` the parent afterwards)."""
-        from ._graph import Conv1D, decomposed_forward
+        from ._graph import decomposed_forward
+        from ._sharding import is_conv1d
 
-        if not isinstance(self.mod, nn.Linear) and not (Conv1D and isinstance(self.mod, Conv1D)):
+        if not isinstance(self.mod, nn.Linear) and not is_conv1d(self.mod):
             raise ScheduleError(f"decompose('{self.path}'): only Linear and Conv1D layers decompose, not {type(self.mod).__name__}")
         st = state_of(self.mod)
         if st is not None and (st.decomposed or st.defers_bias):

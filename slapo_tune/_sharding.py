@@ -14,6 +14,7 @@ Knowing the layout turns a wrong ``sync`` into an early error instead of wrong n
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,10 +26,14 @@ from torch.distributed import ProcessGroup
 from ._comm import all_gather_tensor
 from .errors import ShardingError
 
-try:  # Hugging Face GPT-2 / GPT stores Linear-like weights transposed as [in, out].
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a dependency, but keep the core importable
-    Conv1D = None
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2 stores Linear-like weights transposed, as [in, out]).
+
+    Checked without importing transformers: if it is not imported, no module can be one.
+    """
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,8 @@ class LinearRule(ShardRule):
 class Conv1DRule(LinearRule):
     """Hugging Face ``Conv1D`` (GPT-2): weight stored transposed as [in, out], bias [out]."""
 
-    module_types = (Conv1D,) if Conv1D is not None else ()
+    def matches(self, module: nn.Module) -> bool:
+        return is_conv1d(module)
     out_axis = {"weight": 1, "bias": 0}
     in_axis = {"weight": 0}
     out_attr, in_attr = "nf", "nx"
@@ -252,7 +258,7 @@ class GenericRule(ShardRule):
         return ShardEffect()
 
 
-RULES: list[ShardRule] = [r for r in (Conv1DRule(), LinearRule(), EmbeddingRule()) if r.module_types]
+RULES: list[ShardRule] = [Conv1DRule(), LinearRule(), EmbeddingRule()]
 _GENERIC = GenericRule()
 
 

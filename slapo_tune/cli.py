@@ -148,6 +148,86 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``400MiB``, ``16GB``, ``1.5TiB`` or bytes -> bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise UsageError(f"unparsable size '{text}' (use e.g. 80GiB, 400MiB, 16GB)")
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise UsageError(f"size must be positive, got '{text}'")
+    return int(value)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from .cost_model import CostModel, hardware
+    from .realize import ModelSpec
+    from .space import coerce, format_point, parse_knobs
+
+    t0 = time.perf_counter()
+    budget = parse_size(args.memory_budget)
+    device = hardware(args.device)
+    dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    _, template, info, workload, space = resolve_space(args)
+    workload = type(workload)(workload.world_size, workload.global_batch, workload.seq_len, dtype)
+    model = CostModel(ModelSpec(args.model), template, workload, device)
+    if args.knobs:
+        points = [space.complete(coerce(space, parse_knobs(args.knobs)))]
+    else:
+        points = list(space.enumerate())
+    rows, pruned = [], []
+    for point in points:
+        mem = model.memory(point)
+        verdict = model.verdict(point, budget, prediction=mem)
+        timing = model.time(point) if verdict.fits else None
+        row = {"point": point, "peak": mem.peak, "upper": mem.upper, "stage": mem.worst_stage,
+               "breakdown": mem.breakdown, "step_s": timing.step if timing else None,
+               "throughput": timing.throughput(workload) if timing else None, "fits": verdict.fits,
+               "reason": verdict.reason}
+        (rows if verdict.fits else pruned).append(row)
+    elapsed = time.perf_counter() - t0
+    rows.sort(key=lambda r: -r["throughput"])
+    if not rows:
+        smallest = min(pruned, key=lambda r: r["peak"])
+        raise UsageError(
+            f"no point fits {_mib(budget)}: smallest predicted peak is {_mib(smallest['peak'])} at "
+            f"{format_point(smallest['point'])}"
+        )
+    if args.json:
+        print(json.dumps({"model": args.model, "device": device.name, "budget": budget, "dtype": dtype,
+                          "points": len(points), "feasible": len(rows), "pruned": len(pruned),
+                          "top": rows[: args.top], "pruned_examples": pruned[: args.top],
+                          "seconds": round(elapsed, 3)}, default=str))
+        return EXIT_OK
+    print(f"{args.model} on {workload.world_size} x {device.name} ({_mib(budget)} each), {dtype}, global batch "
+          f"{workload.global_batch}, seq {workload.seq_len}: {len(points)} point(s), {len(rows)} fit, "
+          f"{len(pruned)} pruned ({elapsed:.2f} s, template {template.describe()})")
+    for i, r in enumerate(rows[: args.top], 1):
+        parts = ", ".join(f"{k} {_mib(v)}" for k, v in r["breakdown"].items() if v >= 2**20)
+        print(f"{i:>3}. {format_point(r['point'])}")
+        print(f"     peak {_mib(r['peak'])} (stage {r['stage']}; up to {_mib(r['upper'])}) = {parts}")
+        print(f"     step {r['step_s']:.3f} s, {r['throughput']:.1f} samples/s")
+    if pruned:
+        print(f"pruned {len(pruned)} point(s), for example:")
+        for r in sorted(pruned, key=lambda r: r["peak"])[: min(3, args.top)]:
+            print(f"  {format_point(r['point'])}: {r['reason']}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="slapo-tune", description="Autotune large-model training schedules.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -161,6 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("--domains", action="store_true", help="list every knob's legal values (enumerates the space)")
     space.add_argument("--json", action="store_true")
     space.set_defaults(func=cmd_space)
+
+    plan = sub.add_parser("plan", help="rank a cluster's schedule points with the cost model alone (nothing runs)")
+    _add_model_args(plan, None)
+    plan.add_argument("--memory-budget", required=True, help="per-device memory, e.g. 80GiB")
+    plan.add_argument("--device", default="a100-80gb",
+                      help="hardware preset: cpu, a100-80gb, a100-40gb, h100-80gb, h200, v100-32gb (default: %(default)s)")
+    plan.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                      help="compute dtype (default: bf16 on GPUs, fp32 on cpu)")
+    plan.add_argument("--knobs", default="", help="evaluate one point (others: first legal value)")
+    plan.add_argument("--top", type=_positive, default=5)
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
 
     verify = sub.add_parser("verify", help="check one schedule point against the unscheduled model on local ranks")
     _add_model_args(verify, 8)

@@ -31,6 +31,11 @@ class ModelSpec:
     def build(self, device: str | torch.device = "meta"):
         return build_model(self.name, device=device, **self.overrides)
 
+    def config(self):
+        from .models import load_config
+
+        return load_config(self.name, **self.overrides)
+
 
 @dataclass
 class Realized:

@@ -66,11 +66,13 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: world size, the fixed global batch and the sequence length."""
+    """What is trained: world size, the fixed global batch, the sequence length and the compute
+    dtype (``fp32``, or ``bf16``/``fp16`` under autocast with fp32 parameters and optimizer)."""
 
     world_size: int
     global_batch: int
     seq_len: int = 128
+    dtype: str = "fp32"
 
 
 def accumulation(point: Mapping[str, Any], workload: Workload) -> int:

@@ -44,8 +44,8 @@ class CostModel:
     def __init__(self, spec, template: Template, workload: Workload, device: Hardware,
                  calibration: Calibration | None = None, layout: ModelLayout | None = None):
         self.spec, self.template, self.workload, self.device = spec, template, workload, device
-        self.layout = layout or layout_of(spec.build("meta"), template)
-        self.dtype = {4: "fp32", 2: "16bit", 8: "fp64"}.get(self.layout.dtype_bytes, "dtype")
+        self.layout = layout or layout_of(spec.config(), template)
+        self.dtype = workload.dtype
         self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.dtype) or Calibration()
 
     # ------------------------------------------------------------------ memory
@@ -60,7 +60,8 @@ class CostModel:
 
         return exact_memory(self.spec, self.template, point, self.workload)
 
-    def verdict(self, point: Mapping[str, Any], budget: int, exact: bool = False) -> Verdict:
+    def verdict(self, point: Mapping[str, Any], budget: int, exact: bool = False,
+                prediction: MemoryPrediction | None = None) -> Verdict:
         """Does ``point`` fit ``budget`` bytes per rank? Prunes only what cannot fit even at the
         optimistic end of the prediction's uncertainty (exact mode has none)."""
         if exact:
@@ -69,7 +70,7 @@ class CostModel:
             if peaks[worst] > budget:
                 return Verdict(False, peaks[worst], f"exact peak {_fmt(peaks[worst])} on stage {worst} > budget {_fmt(budget)}")
             return Verdict(True, peaks[worst])
-        pred = self.memory(point)
+        pred = prediction or self.memory(point)
         if pred.lower > budget:
             return Verdict(False, pred.peak, f"predicted peak {_fmt(pred.peak)} (at least {_fmt(pred.lower)}) "
                                              f"on stage {pred.worst_stage} > budget {_fmt(budget)}")

@@ -14,41 +14,86 @@ the pipeline bubble: good enough to rank points.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import nn
-
 from ..template import Template, Workload, accumulation
 from .hardware import Hardware
 
 MEMORY_TERMS = (
-    "states",  # parameters held by the rank (sharded by tp, and by dp under zero=3)
-    "gathered",  # one block's parameters unsharded (zero=3 all-gathers them while it runs)
+    "weights",  # parameters held by the rank (sharded by tp, and by dp under zero=3)
+    "gradients",  # their gradients, alive from the first micro-batch on when accumulating
+    "gradients_single",  # the same without accumulation: created while activations are freed
+    "optimizer",  # AdamW's two moments per held parameter
+    "optimizer_temp",  # the optimizer step's temporaries: a few copies of the largest parameter
+    "gathered",  # zero=3: a block (and its prefetched successor) plus the stage root, unsharded
     "act_replicated",  # per-token activations every tp rank keeps (norm inputs, residuals)
     "act_parallel",  # per-token activations inside the tensor-parallel region (Q/K/V, MLP width)
     "act_scores",  # eager attention's score matrices
+    "act_scores_sdpa",  # the same under SDPA (fused kernels keep none; math fallbacks keep them)
+    "act_fused",  # extra per-token tensors of decomposed / fused layers (fuse=on)
     "act_checkpointed",  # inputs of checkpointed blocks
     "recompute",  # one block's activations rebuilt during its backward
-    "logits",  # logits and the loss's softmax (last stage)
-    "constant",
+    "logits",  # logits and the loss's softmax saved per micro-batch in flight (last stage)
+    "logits_grad",  # the gradient of one micro-batch's logits (last stage, loss phase)
+    "constant",  # 1 MiB units
 )
 
-# How many times each term's bytes are alive at the peak, before calibration: parameters,
-# gradients and AdamW's two moments (4x); activations saved for backward plus the gradients
-# flowing through them.
+# The peak is reached in one of several phases of a step; terms not listed here are alive in all
+# of them. Loss: the logits, their softmax and gradient. Backward: a checkpointed block rebuilt.
+# Optimizer: AdamW's temporaries, once activations are gone.
+PHASES = {
+    "loss": ("logits_grad",),
+    "backward": ("recompute",),
+    "optimizer": ("optimizer_temp",),
+}
+PHASE_TERMS = {t for terms in PHASES.values() for t in terms}
+ACTIVATION_TERMS = ("act_replicated", "act_parallel", "act_scores", "act_scores_sdpa", "act_fused",
+                    "act_checkpointed", "logits")
+
+
+_PHASE_ITEMS = tuple(PHASES.items())
+
+
+def combine(terms: Mapping[str, float], weights: Mapping[str, float]) -> tuple[float, str]:
+    """Peak bytes of a stage from its terms, and the phase that reaches it."""
+    always = activations = 0.0
+    for k, v in terms.items():
+        if k in ACTIVATION_TERMS:
+            activations += weights[k] * v
+        elif k not in PHASE_TERMS:
+            always += weights[k] * v
+    best, phase = -1.0, "loss"
+    for name, members in _PHASE_ITEMS:
+        value = 0.0 if name == "optimizer" else activations
+        for k in members:
+            value += weights[k] * terms.get(k, 0.0)
+        if value > best:
+            best, phase = value, name
+    return always + best, phase
+
+
+# How many times each term's bytes are alive at the peak, before calibration (activation weights
+# follow Korthikanti et al. 2022: ~17 hidden-sized tensors per token and layer for GPT-style blocks).
 DEFAULT_WEIGHTS = {
-    "states": 4.0,
-    "gathered": 2.0,
-    "act_replicated": 6.0,
-    "act_parallel": 2.0,
+    "weights": 1.0,
+    "gradients": 1.0,
+    "gradients_single": 1.0,
+    "optimizer": 1.0,
+    "optimizer_temp": 2.0,
+    "gathered": 1.0,
+    "act_replicated": 5.0,
+    "act_parallel": 1.0,
     "act_scores": 2.0,
+    "act_scores_sdpa": 0.0,
+    "act_fused": 1.0,
     "act_checkpointed": 1.0,
     "recompute": 1.0,
-    "logits": 3.0,
+    "logits": 2.0,
+    "logits_grad": 1.0,
     "constant": 1.0,
 }
 DEFAULT_UNCERTAINTY = 0.15  # relative, before calibration
@@ -67,7 +112,6 @@ class ModelLayout:
     intermediate: int
     vocab: int
     gated_mlp: bool
-    dtype_bytes: int
     block_sharded: int  # per block: parameters tensor parallelism splits
     block_replicated: int  # per block: parameters every tp rank keeps
     pre_sharded: int  # before the blocks (token embedding)
@@ -82,14 +126,20 @@ class ModelLayout:
                 + self.pre_replicated + self.post_sharded + self.post_replicated)
 
 
-def layout_of(model: nn.Module, template: Template) -> ModelLayout:
-    """Measure a (meta-device) model: which parameters sit in blocks, before and after them."""
-    from .._pipeline import _dry_run, _topmost
+def layout_of(config, template: Template) -> ModelLayout:
+    """Measure a model from its config: which parameters sit in a block, before and after the
+    blocks. Only a two-block copy is built (on the meta device); blocks are alike."""
+    import copy
 
-    config = model.config
+    from .._pipeline import _dry_run, _topmost
+    from ..models import model_from_config
+
+    layers = config.num_hidden_layers
+    small_config = copy.deepcopy(config)
+    small_config.num_hidden_layers = min(2, layers)
+    model = model_from_config(small_config, "meta")
     blocks_path = template.blocks_path(model)
-    blocks = model.get_submodule(blocks_path)
-    block0 = blocks[0]
+    block0 = model.get_submodule(blocks_path)[0]
 
     def split(params) -> tuple[int, int]:
         sharded = sum(p.numel() for p in params if p.dim() >= 2)
@@ -115,16 +165,19 @@ def layout_of(model: nn.Module, template: Template) -> ModelLayout:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
              or getattr(config, "n_inner", None) or 4 * hidden)
-    gated = any(hasattr(block0.get_submodule(p), "gate_proj") for p, _ in block0.named_modules() if p)
-    dtype = next(model.parameters()).dtype
+    gated = any(hasattr(m, "gate_proj") for _, m in block0.named_modules())
     return ModelLayout(
-        family=getattr(config, "model_type", "model"), layers=len(blocks), hidden=hidden, heads=heads,
+        family=getattr(config, "model_type", "model"), layers=layers, hidden=hidden, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate=inter, vocab=config.vocab_size, gated_mlp=gated,
-        dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
         pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
     )
+
+
+PARAM_BYTES = 4  # parameters and gradients are fp32 (16-bit training computes under autocast)
+MOMENT_BYTES = 8  # AdamW's two fp32 moments: with them, 16 bytes of model state per parameter
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def in_flight(point: Mapping[str, Any], stage: int, micro_batches: int) -> int:
@@ -137,6 +190,7 @@ def in_flight(point: Mapping[str, Any], stage: int, micro_batches: int) -> int:
     return min(pp - stage, micro_batches)
 
 
+@functools.lru_cache(maxsize=4096)
 def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
     from ..parallelize import checkpointed_indices
 
@@ -155,12 +209,14 @@ class StageTerms:
 def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> list[StageTerms]:
     """The byte count of every memory term, per pipeline stage."""
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    b, s, B = point["micro_batch"], workload.seq_len, layout.dtype_bytes
+    b, s, B = point["micro_batch"], workload.seq_len, DTYPE_BYTES[workload.dtype]
+    P = PARAM_BYTES
     m = accumulation(point, workload)
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
     full = per_stage - ckpt
-    zero_div = dp if point["zero"] == 3 else 1
+    sharded = point["zero"] == 3 and dp > 1
+    zero_div = dp if sharded else 1
     q = layout.heads * layout.head_dim
     kv = layout.kv_heads * layout.head_dim
     attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
@@ -168,28 +224,44 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     tokens = b * s
     rep_1 = tokens * layout.hidden * B
     par_1 = tokens * (attn_width + mlp_width) / tp * B
-    scores_1 = b * (layout.heads / tp) * s * s * B if point["attn"] == "eager" else 0.0
+    scores = b * (layout.heads / tp) * s * s * B
+    scores_1 = scores if point["attn"] == "eager" else 0.0
+    sdpa_1 = scores if point["attn"] == "sdpa" else 0.0
+    fused_1 = tokens * layout.intermediate / tp * B if point["fuse"] == "on" else 0.0
+    block = layout.block_sharded / tp + layout.block_replicated
+    largest = max(layout.block_sharded / 4, layout.pre_sharded, layout.post_sharded) / tp
     out = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
-        params = per_stage * (layout.block_sharded / tp + layout.block_replicated)
+        ends = 0.0
         if first:
-            params += layout.pre_sharded / tp + layout.pre_replicated
+            ends += layout.pre_sharded / tp + layout.pre_replicated
         if last:
-            params += layout.post_sharded / tp + layout.post_replicated
+            ends += layout.post_sharded / tp + layout.post_replicated
             if layout.tied_head and not first:
-                params += layout.pre_sharded / tp  # the last stage's copy of the tied embedding
+                ends += layout.pre_sharded / tp  # the last stage's copy of the tied embedding
+        params = per_stage * block + ends
         flight = in_flight(point, stage, m)
         logits_flight = m if (pp > 1 and point["pipeline_schedule"] == "gpipe") else 1
+        # zero=3 reduce-scatters gradients only after the last micro-batch: until then they are whole
+        whole = params if (not sharded or m > 1) else 0.0
+        grads = (whole + (params / dp if sharded else 0.0)) * P
         terms = {
-            "states": params / zero_div * B,
-            "gathered": (layout.block_sharded / tp + layout.block_replicated) * B if zero_div > 1 else 0.0,
+            "weights": params / zero_div * P,
+            "gradients": grads if m > 1 else 0.0,
+            "gradients_single": grads if m == 1 else 0.0,
+            "optimizer": params / zero_div * MOMENT_BYTES,
+            "optimizer_temp": largest / zero_div * P,
+            "gathered": (2 * block + ends) * P if sharded else 0.0,
             "act_replicated": rep_1 * full * flight,
             "act_parallel": par_1 * full * flight,
             "act_scores": scores_1 * full * flight,
+            "act_scores_sdpa": sdpa_1 * full * flight,
+            "act_fused": fused_1 * full * flight,
             "act_checkpointed": rep_1 * ckpt * flight,
-            "recompute": (rep_1 + par_1 + scores_1) if ckpt else 0.0,
+            "recompute": (rep_1 + par_1 + scores_1 + sdpa_1 + fused_1) if ckpt else 0.0,
             "logits": tokens * layout.vocab * B * logits_flight if last else 0.0,
+            "logits_grad": tokens * layout.vocab * B if last else 0.0,
             "constant": 2**20,
         }
         out.append(StageTerms(stage, terms, int(params / zero_div)))
@@ -224,9 +296,11 @@ def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Work
                    uncertainty: float = DEFAULT_UNCERTAINTY) -> MemoryPrediction:
     w = {**DEFAULT_WEIGHTS, **(weights or {})}
     stages = memory_terms(layout, point, workload)
-    totals = [sum(w[k] * v for k, v in st.terms.items()) for st in stages]
+    totals = [combine(st.terms, w)[0] for st in stages]
     worst = max(range(len(totals)), key=totals.__getitem__)
-    breakdown = {k: int(w[k] * v) for k, v in stages[worst].terms.items()}
+    _, phase = combine(stages[worst].terms, w)
+    inactive = PHASE_TERMS - set(PHASES[phase]) | (set(ACTIVATION_TERMS) if phase == "optimizer" else set())
+    breakdown = {k: int(w[k] * v) for k, v in stages[worst].terms.items() if k not in inactive}
     return MemoryPrediction([int(t) for t in totals], breakdown, uncertainty, stages[worst].params, worst)
 
 
@@ -257,7 +331,7 @@ def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce") -> floa
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
     """Seconds per step of each time term (before weights)."""
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    b, s, B = point["micro_batch"], workload.seq_len, layout.dtype_bytes
+    b, s, B = point["micro_batch"], workload.seq_len, DTYPE_BYTES[workload.dtype]
     m = accumulation(point, workload)
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
@@ -278,7 +352,7 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     act_bytes = tokens * layout.hidden * B
     tp_comm = (m + pp - 1) * per_stage * 4 * _ring(act_bytes, tp, hw)
     pp_comm = 2 * (m + pp - 1) * (hw.latency + act_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
-    stage_param_bytes = per_stage * block_params * B
+    stage_param_bytes = per_stage * block_params * PARAM_BYTES
     if dp > 1 and point["zero"] == 3:
         dp_comm = (2 * m * _ring(stage_param_bytes, dp, hw, "all_gather")
                    + _ring(stage_param_bytes, dp, hw, "all_gather"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .analytic import DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTS, MEMORY_TERMS
+from .analytic import ACTIVATION_TERMS, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTS, MEMORY_TERMS, PHASES, combine
 
 MIN_UNCERTAINTY = 0.03
 
@@ -47,14 +47,43 @@ def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 50) -> np.ndarray:
     return x
 
 
-def fit(samples: Sequence[tuple[Mapping[str, float], float]], source: str = "exact") -> Calibration:
-    """Weights from (terms of the worst stage, measured peak bytes) pairs."""
-    columns = [k for k in MEMORY_TERMS if any(t.get(k, 0.0) for t, _ in samples)]
-    a = np.array([[t.get(k, 0.0) / y for k in columns] for t, y in samples])
-    x = nnls(a, np.ones(len(samples)))
+# Model states are counted, not estimated: a parameter, its gradient and AdamW's two moments are
+# alive at the peak, whatever the data says; only the terms that depend on how PyTorch runs the
+# step (activations, temporaries) are fitted.
+FIXED_TERMS = ("weights", "gradients", "optimizer")
+
+
+def _active_terms(terms: Mapping[str, float], phase: str) -> set[str]:
+    inactive = {t for name, members in PHASES.items() if name != phase for t in members}
+    if phase == "optimizer":
+        inactive |= set(ACTIVATION_TERMS)
+    return set(terms) - inactive
+
+
+def fit(samples: Sequence[tuple[Mapping[str, float], float]], source: str = "exact",
+        iterations: int = 10) -> Calibration:
+    """Weights from (terms of one stage, measured peak bytes) pairs.
+
+    The peak is a maximum over phases, so the fit alternates: assign each sample to the phase that
+    reaches its peak under the current weights, solve the (linear) least squares, repeat.
+    """
+    fixed = {k: DEFAULT_WEIGHTS[k] for k in FIXED_TERMS}
+    columns = [k for k in MEMORY_TERMS if k not in fixed and any(t.get(k, 0.0) for t, _ in samples)]
     weights = dict(DEFAULT_WEIGHTS)
-    weights.update({k: float(v) for k, v in zip(columns, x)})
-    residual = np.abs(a @ x - 1.0)
+    phases = None
+    for _ in range(iterations):
+        assigned = [combine(t, weights)[1] for t, _ in samples]
+        if assigned == phases:
+            break
+        phases = assigned
+        active = [_active_terms(t, ph) for (t, _), ph in zip(samples, phases)]
+        a = np.array([[t.get(k, 0.0) / y if k in act else 0.0 for k in columns]
+                      for (t, y), act in zip(samples, active)])
+        b = np.array([1.0 - sum(w * t.get(k, 0.0) for k, w in fixed.items()) / y for t, y in samples])
+        x = nnls(a, b)
+        weights.update({k: float(v) for k, v in zip(columns, x)})
+    predicted = np.array([combine(t, weights)[0] / y for t, y in samples])
+    residual = np.abs(predicted - 1.0)
     uncertainty = max(MIN_UNCERTAINTY, float(residual.max()) * 1.25) if len(samples) else DEFAULT_UNCERTAINTY
     return Calibration(weights, uncertainty, len(samples), source)
 

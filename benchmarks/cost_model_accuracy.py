@@ -1,0 +1,208 @@
+"""Cost-model accuracy on the CPU reference grid.
+
+For GPT-2- and Llama-style models sized so that activations dominate, at world sizes 1, 2 and 4,
+a seeded sample of legal points (tp, pp, zero, checkpointing, micro-batch, attention, fusion) is
+run for real: peak tensor memory per rank (the same tensor-level tracker on real tensors) and step
+time. Compared with the exact mode (fake step per stage) and the analytic mode (calibrated on a
+*separate* sample of exact points, and uncalibrated), and the time model's ranking (Spearman).
+
+Writes ``results/benchmarks/cost_model_points.csv``, ``cost_model_memory.png`` and a JSON summary.
+Run: ``python -m benchmarks.cost_model_accuracy [--points-per-world 11] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from benchmarks._stats import results_dir, save_json  # noqa: E402
+
+MODELS = {
+    "gpt2-ref": ("gpt2", {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192}),
+    "llama-ref": ("llama-tiny", {"num_hidden_layers": 6, "hidden_size": 384, "num_attention_heads": 6,
+                                 "num_key_value_heads": 2, "intermediate_size": 1024, "vocab_size": 8192}),
+}
+GLOBAL_BATCH, SEQ = 16, 128
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def _sample(space, n, seed, exclude=()):
+    points = [p for p in space.enumerate() if p not in exclude]
+    return random.Random(seed).sample(points, min(n, len(points)))
+
+
+def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), timed_steps: int = 3) -> dict:
+    from search_spaces import template_for
+    from slapo_tune.cost_model import CostModel, hardware
+    from slapo_tune.cost_model.measure import measure_points_rank
+    from slapo_tune.launch import launch
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.space import format_point
+    from slapo_tune.template import ModelInfo, Workload
+
+    device = hardware("cpu")
+    rows, summary = [], {}
+    for label, (preset, overrides) in MODELS.items():
+        spec = ModelSpec(preset, overrides)
+        config = spec.config()
+        template = template_for(config)
+        calibration_points, evaluated = [], {}
+        for world in worlds:
+            workload = Workload(world, GLOBAL_BATCH, SEQ)
+            space = template.space(ModelInfo.from_config(config), workload)
+            evaluated[world] = _sample(space, points_per_world, f"{label}-{world}-eval")
+            calibration_points.append((world, _sample(space, calibration_per_world, f"{label}-{world}-cal",
+                                                      evaluated[world])))
+        # calibrate the analytic weights on exact points disjoint from the evaluated ones
+        samples_points, samples_peaks = [], []
+        t0 = time.perf_counter()
+        for world, pts in calibration_points:
+            model = CostModel(spec, template, Workload(world, GLOBAL_BATCH, SEQ), device)
+            for p in pts:
+                samples_points.append((world, p))
+                samples_peaks.append({s: b.total for s, b in model.exact(p).items()})
+        calibration_seconds = time.perf_counter() - t0
+        from slapo_tune.cost_model import calibration as cal
+        from slapo_tune.cost_model.analytic import memory_terms
+
+        fit_samples = []
+        for (world, p), peaks in zip(samples_points, samples_peaks):
+            layout = CostModel(spec, template, Workload(world, GLOBAL_BATCH, SEQ), device).layout
+            for st in memory_terms(layout, p, Workload(world, GLOBAL_BATCH, SEQ)):
+                fit_samples.append((st.terms, peaks[st.stage]))
+        calibration = cal.fit(fit_samples)
+        for world in worlds:
+            workload = Workload(world, GLOBAL_BATCH, SEQ)
+            model = CostModel(spec, template, workload, device, calibration=calibration)
+            default = CostModel(spec, template, workload, device, calibration=cal.Calibration(), layout=model.layout)
+            pts = evaluated[world]
+            t0 = time.perf_counter()
+            measured = launch(measure_points_rank, world, args=(spec, template.name, pts, workload, timed_steps),
+                              timeout=7200)
+            measure_seconds = time.perf_counter() - t0
+            for i, p in enumerate(pts):
+                t1 = time.perf_counter()
+                exact = {s: b.total for s, b in model.exact(p).items()}
+                exact_seconds = time.perf_counter() - t1
+                analytic = model.memory(p).per_stage
+                plain = default.memory(p).per_stage
+                per_rank = [r[i] for r in measured]
+                step = statistics.median(per_rank[0]["step_times"])
+                predicted_step = model.time(p).step
+                for stage in range(p["pp"]):
+                    peaks = [r["total"] for r in per_rank if r["stage"] == stage]
+                    rows.append({
+                        "model": label, "world": world, "point": format_point(p), "stage": stage,
+                        "measured": max(peaks), "exact": exact[stage], "analytic": analytic[stage],
+                        "analytic_uncalibrated": plain[stage],
+                        "exact_error": exact[stage] / max(peaks) - 1, "analytic_error": analytic[stage] / max(peaks) - 1,
+                        "uncalibrated_error": plain[stage] / max(peaks) - 1,
+                        "step_seconds": step, "predicted_step_seconds": predicted_step,
+                        "exact_seconds": exact_seconds, "trial_seconds": measure_seconds / len(pts),
+                    })
+            print(f"{label} world {world}: {len(pts)} points measured in {measure_seconds:.0f} s", flush=True)
+        summary[label] = {"calibration": calibration.as_dict(), "calibration_points": len(samples_points),
+                          "calibration_seconds": calibration_seconds}
+    return {"rows": rows, "models": summary}
+
+
+def report(result: dict) -> dict:
+    rows = result["rows"]
+
+    def stats(key):
+        errs = [abs(r[key]) for r in rows]
+        return {"median": statistics.median(errs), "max": max(errs), "min_signed": min(r[key] for r in rows)}
+
+    points = {(r["model"], r["world"], r["point"]): r for r in rows}  # one per point (time ranking)
+    per_model = {}
+    for label in {r["model"] for r in rows}:
+        pts = [r for r in points.values() if r["model"] == label]
+        per_model[label] = spearman([r["predicted_step_seconds"] for r in pts], [r["step_seconds"] for r in pts])
+    summary = {
+        "points": len(points), "stage_rows": len(rows),
+        "exact": stats("exact_error"), "analytic": stats("analytic_error"),
+        "analytic_uncalibrated": stats("uncalibrated_error"),
+        "time_spearman_all": spearman([r["predicted_step_seconds"] for r in points.values()],
+                                      [r["step_seconds"] for r in points.values()]),
+        "time_spearman_per_model": per_model,
+        "exact_seconds_median": statistics.median(r["exact_seconds"] for r in points.values()),
+        "trial_seconds_median": statistics.median(r["trial_seconds"] for r in points.values()),
+    }
+    return summary
+
+
+def write_outputs(result: dict, summary: dict) -> None:
+    out = results_dir()
+    with open(out / "cost_model_points.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result["rows"][0]))
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 6))
+        measured = [r["measured"] / 2**20 for r in result["rows"]]
+        ax.scatter(measured, [r["exact"] / 2**20 for r in result["rows"]], s=14, label="exact (fake step)")
+        ax.scatter(measured, [r["analytic"] / 2**20 for r in result["rows"]], s=14, marker="x", label="analytic (calibrated)")
+        lo, hi = min(measured) * 0.9, max(measured) * 1.1
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+        ax.set_xlabel("measured peak tensor memory per rank (MiB)")
+        ax.set_ylabel("predicted (MiB)")
+        ax.set_title("Cost model: predicted vs measured memory (CPU grid)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "cost_model_memory.png", dpi=120)
+        plt.close(fig)
+    except ImportError:  # pragma: no cover - matplotlib is a dev dependency
+        pass
+    save_json("cost_model_accuracy", {"summary": summary, "models": result["models"]})
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points-per-world", type=int, default=11)
+    parser.add_argument("--calibration-per-world", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="fewer points (a smoke run, not the reported figures)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.points_per_world, args.calibration_per_world = 3, 3
+    result = run(args.points_per_world, args.calibration_per_world)
+    summary = report(result)
+    write_outputs(result, summary)
+    s = summary
+    print(f"points: {s['points']} ({s['stage_rows']} stage rows)")
+    for mode in ("exact", "analytic", "analytic_uncalibrated"):
+        m = s[mode]
+        print(f"  {mode:<22} median |error| {m['median'] * 100:5.2f} %, max {m['max'] * 100:5.2f} %, "
+              f"worst under-prediction {min(0.0, m['min_signed']) * 100:5.2f} %")
+    print(f"  time ranking: Spearman {s['time_spearman_all']:.3f} over all points; per model "
+          + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model"].items()))
+    print(f"  cost: exact mode {s['exact_seconds_median']:.1f} s per point vs a real trial {s['trial_seconds_median']:.1f} s")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
