@@ -142,6 +142,7 @@ def layout_of(config, template: Template) -> ModelLayout:
     block0 = model.get_submodule(blocks_path)[0]
 
     def split(params) -> tuple[int, int]:
+        params = list(params)
         sharded = sum(p.numel() for p in params if p.dim() >= 2)
         return sharded, sum(p.numel() for p in params if p.dim() < 2)
 

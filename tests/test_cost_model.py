@@ -1,0 +1,140 @@
+"""Cost model: exact mode matches a real step; analytic model states follow the closed-form
+ZeRO / Megatron formulas; calibration fits; plan answers fast and refuses bad input."""
+
+import json
+
+import pytest
+
+from search_spaces import template_for
+from slapo_tune.cli import main, parse_size
+from slapo_tune.cost_model import CostModel, hardware
+from slapo_tune.cost_model.analytic import memory_terms
+from slapo_tune.cost_model.hardware import Hardware
+from slapo_tune.cost_model.measure import measure_points_rank
+from slapo_tune.launch import launch
+from slapo_tune.realize import ModelSpec
+from slapo_tune.template import Workload
+
+CPU = Hardware("test-cpu", 16 * 2**30, 1e10, 1e9, 1e9, 5e-5, 2, 4e-4, 2)
+BASE = dict(tp=1, pp=1, dp=1, zero=0, micro_batch=2, ckpt_ratio=0.0, pipeline_schedule="1f1b", attn="sdpa", fuse="off")
+
+
+def _point(world, **knobs):
+    p = {**BASE, **knobs}
+    p["dp"] = world // (p["tp"] * p["pp"])
+    return p
+
+
+@pytest.mark.parametrize("preset,world,knobs", [
+    ("gpt2-tiny", 2, {"tp": 2, "ckpt_ratio": 0.5, "attn": "eager"}),
+    ("llama-tiny", 2, {"pp": 2, "micro_batch": 1, "pipeline_schedule": "gpipe", "fuse": "on"}),
+    ("gpt2-tiny", 2, {"zero": 3, "micro_batch": 4}),
+])
+def test_exact_mode_matches_a_real_step(preset, world, knobs, no_leftover_children):
+    # hidden 256 so that activations, not the 512-token vocabulary, dominate (as in real models)
+    spec = ModelSpec(preset, {"n_embd": 256} if preset.startswith("gpt2") else {"hidden_size": 256})
+    template = template_for(spec.config())
+    workload = Workload(world, 8, 32)
+    point = _point(world, **knobs)
+    measured = launch(measure_points_rank, world, args=(spec, template.name, [point], workload, 1), timeout=300)
+    exact = CostModel(spec, template, workload, CPU).exact(point)
+    for per_rank in measured:
+        m = per_rank[0]
+        # Byte for byte on most points; gloo's worker threads release a collective's buffers a
+        # moment late now and then, which the real step's peak sometimes catches (the issue's 3 %).
+        assert exact[m["stage"]].total == pytest.approx(m["total"], rel=0.03), (m["stage"], exact[m["stage"]], m)
+
+
+def _closed_form_llama_params(stage, pp, tp, layers=80, h=8192, heads=64, kv=8, inter=28672, vocab=32000):
+    hd = h // heads
+    per_layer_matrices = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter
+    per_layer_norms = 2 * h
+    params = layers // pp * (per_layer_matrices / tp + per_layer_norms)
+    if stage == 0:
+        params += vocab * h / tp
+    if stage == pp - 1:
+        params += vocab * h / tp + h  # untied head, final norm
+    return params
+
+
+@pytest.mark.parametrize("tp,pp,dp,zero", [(8, 8, 1, 0), (4, 4, 4, 3), (8, 1, 8, 3), (2, 16, 2, 0)])
+def test_llama70b_model_states_match_the_closed_form(tp, pp, dp, zero):
+    spec = ModelSpec("llama-70b")
+    workload = Workload(64, 512, 4096, "bf16")
+    model = CostModel(spec, template_for(spec.config()), workload, hardware("a100-80gb"))
+    # micro-batch = global/dp: no accumulation, so ZeRO-3 shards the gradients too
+    point = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=512 // dp, ckpt_ratio=1.0,
+                 pipeline_schedule="gpipe" if pp > 1 else "1f1b", attn="sdpa", fuse="off")
+    for st in memory_terms(model.layout, point, workload):
+        states = st.terms["weights"] + st.terms["gradients"] + st.terms["gradients_single"] + st.terms["optimizer"]
+        params = _closed_form_llama_params(st.stage, pp, tp)
+        expected = 16 * params / (dp if zero == 3 else 1)  # Megatron split, then ZeRO-3: 16 P / N_d
+        assert states == pytest.approx(expected, rel=1e-9), st.stage
+
+
+def test_calibration_improves_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLAPO_TUNE_CACHE", str(tmp_path))
+    spec = ModelSpec("gpt2-tiny")
+    template = template_for(spec.config())
+    workload = Workload(1, 8, 64)
+    model = CostModel(spec, template, workload, CPU)
+    points = [_point(1, micro_batch=mb, ckpt_ratio=c, attn=a) for mb, c, a in
+              [(1, 0.0, "sdpa"), (8, 0.0, "eager"), (4, 1.0, "sdpa"), (2, 0.5, "eager"), (8, 1.0, "sdpa"), (1, 1.0, "eager")]]
+    exact = [{s: b.total for s, b in model.exact(p).items()} for p in points]
+
+    def error(m):
+        return max(abs(m.memory(p).peak / e[0] - 1) for p, e in zip(points, exact))
+
+    before = error(model)
+    calibration = model.calibrate(points, measured=exact)
+    after = error(model)
+    assert after < before and after <= calibration.uncertainty
+    again = CostModel(spec, template, workload, CPU)  # picks the cached calibration up
+    assert again.calibration.weights == pytest.approx(calibration.weights)
+    assert list(tmp_path.glob("calibration-test-cpu-gpt2-fp32.json"))
+
+
+def test_verdict_prunes_only_beyond_the_uncertainty():
+    spec = ModelSpec("gpt2-tiny")
+    model = CostModel(spec, template_for(spec.config()), Workload(1, 8, 64), CPU)
+    point = _point(1)
+    pred = model.memory(point)
+    assert model.verdict(point, pred.peak).fits
+    assert model.verdict(point, pred.lower).fits  # within the uncertainty: not pruned
+    v = model.verdict(point, pred.lower - 1)
+    assert not v.fits and "predicted peak" in v.reason
+
+
+@pytest.mark.parametrize("text,expected", [("80GiB", 80 * 2**30), ("400MiB", 400 * 2**20), ("16GB", 16 * 10**9),
+                                           ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024)])
+def test_sizes_parse(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--memory-budget", "80XB"], "unparsable size '80XB'"),
+    (["--memory-budget", "80GiB", "--device", "tpu-v9"], "unknown device 'tpu-v9'"),
+    (["--memory-budget", "1GiB"], "no point fits 1.00 GiB: smallest predicted peak is"),
+])
+def test_plan_bad_input(capsys, argv, message):
+    code = main(["plan", "--model", "llama-7b", "--world-size", "8", *argv])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_plan_llama70b_on_64_gpus(capsys):
+    code = main(["plan", "--model", "llama-70b", "--world-size", "64", "--memory-budget", "80GiB",
+                 "--top", "3", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["feasible"] > 0 and data["pruned"] > 0
+    assert data["seconds"] < 10
+    best = data["top"][0]
+    assert best["peak"] <= 80 * 2**30 and best["throughput"] > 0
+    assert set(best["breakdown"]) >= {"weights", "gradients", "optimizer"}
+
+
+def test_plan_one_point_prints_its_breakdown(capsys):
+    code = main(["plan", "--model", "llama-7b", "--world-size", "8", "--memory-budget", "80GiB",
+                 "--knobs", "tp=2,pp=2,ckpt_ratio=0.5"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1 point(s)" in out and "tp=2,pp=2,dp=2" in out and "weights" in out
