@@ -73,14 +73,14 @@ def _add_model_args(p: argparse.ArgumentParser, global_batch: int | None) -> Non
     p.add_argument("--seq-len", type=_positive, default=None, help="sequence length")
 
 
-def resolve_space(args: argparse.Namespace):
+def resolve_space(args: argparse.Namespace, config=None):
     """(config, template, model info, workload, space) for the model/world/space arguments."""
     from search_spaces import load_template, template_for
 
     from .models import load_config
     from .template import ModelInfo, Workload
 
-    config = load_config(args.model)
+    config = config or load_config(args.model)
     template = load_template(args.space) if args.space else template_for(config)
     info = ModelInfo.from_config(config)
     global_batch = args.global_batch or 8 * args.world_size
@@ -175,6 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
     from .cost_model import CostModel, hardware
+    from .cost_model.cards import preset_card
     from .realize import ModelSpec
     from .space import coerce, format_point, parse_knobs
 
@@ -182,9 +183,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget = parse_size(args.memory_budget)
     device = hardware(args.device)
     dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
-    _, template, info, workload, space = resolve_space(args)
+    # a preset's shipped card spares loading transformers and building the model to measure it
+    card = None if args.space else preset_card(args.model)
+    config, layout = card or (None, None)
+    _, template, info, workload, space = resolve_space(args, config)
     workload = type(workload)(workload.world_size, workload.global_batch, workload.seq_len, dtype)
-    model = CostModel(ModelSpec(args.model), template, workload, device)
+    model = CostModel(ModelSpec(args.model), template, workload, device, layout=layout)
     if args.knobs:
         points = [space.complete(coerce(space, parse_knobs(args.knobs)))]
     else:

@@ -1,6 +1,7 @@
 """Cost model: exact mode matches a real step; analytic model states follow the closed-form
 ZeRO / Megatron formulas; calibration fits; plan answers fast and refuses bad input."""
 
+import dataclasses
 import json
 
 import pytest
@@ -131,6 +132,17 @@ def test_plan_llama70b_on_64_gpus(capsys):
     best = data["top"][0]
     assert best["peak"] <= 80 * 2**30 and best["throughput"] > 0
     assert set(best["breakdown"]) >= {"weights", "gradients", "optimizer"}
+
+
+def test_preset_cards_match_a_fresh_computation():
+    from slapo_tune.cost_model.cards import compute_card, preset_card
+    from slapo_tune.models import preset_names
+
+    for name in preset_names():
+        config, layout = preset_card(name)
+        fresh = compute_card(name)
+        assert vars(config) == fresh["config"], name
+        assert dataclasses.asdict(layout) == fresh["layout"], f"{name}: run python -m slapo_tune.cost_model.cards"
 
 
 def test_plan_one_point_prints_its_breakdown(capsys):
