@@ -47,8 +47,10 @@ def default_backend(world_size: int) -> str:
     return "gloo"
 
 
-def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s):
+def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s, cores=None):
     os.setpgrp()  # our own process group: killing it takes any helper processes with it
+    if cores:
+        os.sched_setaffinity(0, cores)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -70,9 +72,21 @@ def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, ti
             dist.destroy_process_group()
         conn.send(("ok", rank, result))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        conn.send(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))
+        root = root_cause(exc)
+        text = next((line.strip() for line in str(root).splitlines() if line.strip()), "")
+        conn.send(("error", rank, type(root).__name__, text, "".join(traceback.format_exception(root))))
     finally:
         conn.close()
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception at the bottom of a chain: torch's pipeline schedules wrap whatever a stage
+    raised (an out-of-memory error included) in a generic RuntimeError."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
 
 
 def _kill(procs) -> None:
@@ -95,19 +109,24 @@ def launch(
     backend: str | None = None,
     threads_per_rank: int | None = None,
     env: dict[str, str] | None = None,
+    cores: Sequence[Sequence[int]] | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; returns each rank's result, by rank.
 
     ``fn`` must be importable by name (a module-level function). Raises :class:`RankFailure`
     naming the first rank that failed, with its exception type and traceback, or ``kind="timeout"``
-    after ``timeout`` seconds. No rank process outlives this call.
+    after ``timeout`` seconds. No rank process outlives this call. ``cores``: the CPU cores
+    each rank is pinned to (one list per rank), so that concurrent launches never share a core.
     """
     import torch.distributed as dist
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = backend or default_backend(world_size)
-    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    if cores is not None and len(cores) != world_size:
+        raise ValueError(f"cores: expected one core list per rank ({world_size}), got {len(cores)}")
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = threads_per_rank or max(1, min(len(c) for c in cores) if cores else available // world_size)
     child_env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))
@@ -118,7 +137,8 @@ def launch(
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store.port, backend, tuple(args), child_end, threads, child_env, timeout),
+                args=(fn, rank, world_size, store.port, backend, tuple(args), child_end, threads, child_env, timeout,
+                      list(cores[rank]) if cores else None),
                 name=f"slapo-rank-{rank}",
             )
             proc.start()
