@@ -72,9 +72,7 @@ def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, ti
             dist.destroy_process_group()
         conn.send(("ok", rank, result))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        root = root_cause(exc)
-        text = next((line.strip() for line in str(root).splitlines() if line.strip()), "")
-        conn.send(("error", rank, type(root).__name__, text, "".join(traceback.format_exception(root))))
+        conn.send(("error", rank, *describe_exception(exc)))
     finally:
         conn.close()
 
@@ -87,6 +85,13 @@ def root_cause(exc: BaseException) -> BaseException:
         exc = exc.__cause__
         seen.add(id(exc))
     return exc
+
+
+def describe_exception(exc: BaseException) -> tuple[str, str, str]:
+    """(type name, first line of the message, traceback) of the root cause of ``exc``."""
+    root = root_cause(exc)
+    text = next((line.strip() for line in str(root).splitlines() if line.strip()), "")
+    return type(root).__name__, text, "".join(traceback.format_exception(root))
 
 
 def _kill(procs) -> None:

@@ -75,6 +75,36 @@ def fake_group():
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node local Ray cluster (2 logical CPUs each, dashboard on 127.0.0.1) for this test
+    session only: its own temp dir and HOME, shut down at the end of the session."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    ray_tmp = os.path.join(_SESSION_TMP, "r")
+    os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)  # Cluster() expects it under RAY_TMPDIR
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "HOME")}
+    os.environ.update(RAY_TMPDIR=ray_tmp, HOME=ray_tmp)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True,
+                                                            "dashboard_host": "127.0.0.1"})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    # workers import test helpers (fault-injecting templates) from this folder, as ranks do locally
+    ray.init(address=cluster.address, namespace="slapo-tune-tests", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 

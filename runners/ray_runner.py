@@ -1,0 +1,193 @@
+"""Trials on a Ray cluster: one actor per rank, in a placement group, so a trial can span nodes.
+
+Each trial gets fresh actors (a crashed or poisoned rank never carries over into the next trial)
+in a placement group of ``world_size`` bundles: GPU bundles when the trial runs on CUDA,
+(fractional) CPU bundles otherwise. Rank 0 hosts the rendezvous store on a port its OS picks, at
+its node's address. Actors are named after the trial and its knobs, so the Ray dashboard shows
+what runs. On the first failure, or when the time limit passes, every actor is killed and the
+group removed, which frees the bundles at once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from slapo_tune.errors import UsageError
+from slapo_tune.launch import RankFailure
+
+from ._base import Runner
+from .trial import TrialSpec, trial_rank
+
+SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "pipeline_schedule": "sched"}
+
+
+def actor_name(spec: TrialSpec, point: dict[str, Any], rank: int) -> str:
+    """``trial-17 tp=2 pp=1 dp=2 zero=0 mb=4 ckpt=0.5 ... rank 0``: readable in the dashboard."""
+    knobs = " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in point.items())
+    return f"{spec.name} {knobs} rank {rank}"
+
+
+class _RankActor:
+    """One rank of one trial (a Ray actor: ``ray.remote`` is applied lazily, Ray being optional
+    for local use)."""
+
+    def __init__(self, rank: int, world_size: int, threads: int):
+        import torch
+
+        self.rank, self.world_size = rank, world_size
+        os.environ.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+                           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")})
+        torch.set_num_threads(threads)
+        self._store = None
+
+    def host_store(self) -> tuple[str, int]:
+        """Rank 0: start the rendezvous store on a free port; return where the others find it."""
+        from datetime import timedelta
+
+        import ray
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("0.0.0.0", 0, self.world_size, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=300))
+        return ray.util.get_node_ip_address(), self._store.port
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, host: str, port: int, spec: TrialSpec, point: dict[str, Any], timeout: float):
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from slapo_tune.launch import RankContext, describe_exception
+
+        try:
+            cuda = spec.device == "cuda"
+            device = "cuda:0" if cuda else "cpu"  # Ray shows the actor only its own GPU
+            if cuda:
+                torch.cuda.set_device(0)
+            store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
+                                                 timeout=timedelta(seconds=timeout))
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=timeout))
+            try:
+                return ("ok", trial_rank(RankContext(self.rank, self.world_size, device), spec, point))
+            finally:
+                dist.destroy_process_group()
+        except BaseException as exc:  # noqa: BLE001 - reported to the driver as the trial's failure
+            return ("error", *describe_exception(exc))
+
+
+class RayRunner(Runner):
+    """Runs each trial as ``world_size`` rank actors on a Ray cluster.
+
+    Connects to ``address`` (``None``: the cluster this process is already connected to, else a
+    new local one). ``cpus_per_rank``: CPU share of each rank's bundle (default: the cluster's
+    CPUs divided among ``concurrency`` trials of this world size, at most 1; fractional shares
+    let a small cluster run wide trials). Placement ``strategy`` ``PACK`` fills nodes first and
+    spills over, ``SPREAD`` spreads the ranks.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, *, cpus_per_rank: float | None = None, concurrency: int = 1,
+                 strategy: str = "PACK", namespace: str = "slapo-tune", placement_timeout: float = 60.0):
+        import ray
+
+        if not ray.is_initialized():
+            try:
+                ray.init(address=address, namespace=namespace, log_to_driver=False)
+            except ConnectionError as exc:
+                raise UsageError(f"cannot reach the Ray cluster at {address}: {exc}") from None
+        self.cpus_per_rank, self.concurrency = cpus_per_rank, max(1, concurrency)
+        self.strategy, self.namespace, self.placement_timeout = strategy, namespace, placement_timeout
+        self._actor_class = ray.remote(_RankActor)
+
+    def _bundle(self, spec: TrialSpec) -> dict[str, float]:
+        import ray
+
+        cpus = self.cpus_per_rank
+        if cpus is None:
+            total = ray.cluster_resources().get("CPU", 1.0)
+            cpus = min(1.0, total / (spec.world_size * self.concurrency))
+        bundle = {"CPU": cpus}
+        if spec.device == "cuda":
+            bundle["GPU"] = 1.0
+        return bundle
+
+    def _execute(self, spec: TrialSpec, point: dict[str, Any]) -> list[dict[str, Any]]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        deadline = time.monotonic() + spec.time_limit
+        bundle = self._bundle(spec)
+        group = placement_group([dict(bundle) for _ in range(spec.world_size)], strategy=self.strategy,
+                                name=spec.name)
+        actors = []
+        try:
+            try:
+                ray.get(group.ready(), timeout=min(self.placement_timeout, spec.time_limit))
+            except GetTimeoutError:
+                raise RankFailure(f"the cluster cannot place {spec.world_size} bundles of {bundle} "
+                                  f"within {min(self.placement_timeout, spec.time_limit):.0f} s") from None
+            threads = max(1, int(bundle["CPU"]))
+            for rank in range(spec.world_size):
+                actors.append(self._actor_class.options(
+                    name=actor_name(spec, point, rank), namespace=self.namespace, max_restarts=0,
+                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+                ).remote(rank, spec.world_size, threads))
+            refs = {}
+            try:
+                host, port = ray.get(actors[0].host_store.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                self.last_nodes = ray.get([a.node_id.remote() for a in actors],
+                                          timeout=max(1.0, deadline - time.monotonic()))
+                refs = {a.run.remote(host, port, spec, point, spec.time_limit): rank for rank, a in enumerate(actors)}
+            except GetTimeoutError:
+                raise RankFailure(f"timed out after {spec.time_limit:.0f} s starting the rank actors",
+                                  kind="timeout") from None
+            except RayActorError as exc:
+                raise RankFailure(f"a rank actor died while starting: {_first_line(exc)}") from None
+            return self._collect(refs, deadline, spec.time_limit)
+        finally:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(group)
+
+    @staticmethod
+    def _collect(refs: dict, deadline: float, limit: float) -> list[dict[str, Any]]:
+        import ray
+        from ray.exceptions import RayActorError
+
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ranks = sorted(refs[r] for r in pending)
+                raise RankFailure(f"timed out after {limit:.0f} s waiting for rank(s) {ranks}", rank=ranks[0],
+                                  kind="timeout")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            for ref in ready:
+                rank = refs[ref]
+                try:
+                    message = ray.get(ref)
+                except RayActorError as exc:  # killed, or its node is gone
+                    raise RankFailure(f"rank {rank} died: {_first_line(exc)}", rank=rank) from None
+                if message[0] == "error":
+                    _, exc_type, text, details = message
+                    raise RankFailure(f"rank {rank} raised {exc_type}: {text}", rank=rank, exc_type=exc_type,
+                                      details=details)
+                results[rank] = message[1]
+        return [results[i] for i in range(len(refs))]
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
