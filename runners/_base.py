@@ -37,6 +37,9 @@ class Runner(abc.ABC):
         """Run :func:`~runners.trial.trial_rank` on every rank; return their reports by rank, or
         raise :class:`~slapo_tune.launch.RankFailure` (kind ``crash`` or ``timeout``)."""
 
+    def cancel(self) -> None:  # noqa: B027 - a runner whose trials cannot outlive it
+        """Kill every trial in flight now (Ctrl-C); their ``run`` calls return failures."""
+
     def close(self) -> None:  # noqa: B027 - most runners hold nothing between trials
         """Release what the runner holds (workers, reservations)."""
 

@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from slapo_tune.launch import launch
+from slapo_tune.launch import kill_processes, launch
 
 from ._base import Runner
 from .trial import TrialSpec, trial_rank
@@ -58,14 +58,19 @@ class LocalRunner(Runner):
 
     def __init__(self, concurrency: int = 1, cores: list[int] | None = None):
         self.pool = CorePool(cores)
+        self.concurrency = max(1, concurrency)
         self.share = max(1, len(self.pool) // max(1, concurrency))
+        self._running: set = set()
+
+    def cancel(self) -> None:
+        kill_processes(list(self._running))
 
     def _execute(self, spec: TrialSpec, point: dict[str, Any]) -> list[dict[str, Any]]:
         cores = self.pool.acquire(self.share) if spec.device == "cpu" else None
         try:
             return launch(trial_rank, spec.world_size, args=(spec, point), timeout=spec.time_limit,
                           backend="nccl" if spec.device == "cuda" else "gloo",
-                          cores=rank_cores(cores, spec.world_size) if cores else None)
+                          cores=rank_cores(cores, spec.world_size) if cores else None, running=self._running)
         finally:
             if cores:
                 self.pool.release(cores)

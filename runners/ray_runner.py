@@ -80,7 +80,7 @@ class _RankActor:
             finally:
                 dist.destroy_process_group()
         except BaseException as exc:  # noqa: BLE001 - reported to the driver as the trial's failure
-            return ("error", *describe_exception(exc))
+            return ("error", *describe_exception(exc), time.time())
 
 
 class RayRunner(Runner):
@@ -107,6 +107,13 @@ class RayRunner(Runner):
         self.cpus_per_rank, self.concurrency = cpus_per_rank, max(1, concurrency)
         self.strategy, self.namespace, self.placement_timeout = strategy, namespace, placement_timeout
         self._actor_class = ray.remote(_RankActor)
+        self._live: set = set()
+
+    def cancel(self) -> None:
+        import ray
+
+        for actor in list(self._live):
+            ray.kill(actor, no_restart=True)
 
     def _bundle(self, spec: TrialSpec) -> dict[str, float]:
         import ray
@@ -144,6 +151,7 @@ class RayRunner(Runner):
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
                 ).remote(rank, spec.world_size, threads))
+                self._live.add(actors[-1])
             refs = {}
             try:
                 host, port = ray.get(actors[0].host_store.remote(), timeout=max(1.0, deadline - time.monotonic()))
@@ -159,34 +167,57 @@ class RayRunner(Runner):
         finally:
             for actor in actors:
                 ray.kill(actor, no_restart=True)
+                self._live.discard(actor)
             remove_placement_group(group)
 
     @staticmethod
     def _collect(refs: dict, deadline: float, limit: float) -> list[dict[str, Any]]:
         import ray
-        from ray.exceptions import RayActorError
+
+        from slapo_tune.launch import FAILURE_GRACE, first_failure
 
         results: dict[int, Any] = {}
+        failures: list[RankFailure] = []
         pending = list(refs)
+        grace_end = None
         while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if grace_end is not None and now >= grace_end:
+                break
+            if now >= deadline:
+                if failures:
+                    break
                 ranks = sorted(refs[r] for r in pending)
                 raise RankFailure(f"timed out after {limit:.0f} s waiting for rank(s) {ranks}", rank=ranks[0],
                                   kind="timeout")
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            until = min(deadline, grace_end) if grace_end is not None else deadline
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - now))
             for ref in ready:
-                rank = refs[ref]
-                try:
-                    message = ray.get(ref)
-                except RayActorError as exc:  # killed, or its node is gone
-                    raise RankFailure(f"rank {rank} died: {_first_line(exc)}", rank=rank) from None
-                if message[0] == "error":
-                    _, exc_type, text, details = message
-                    raise RankFailure(f"rank {rank} raised {exc_type}: {text}", rank=rank, exc_type=exc_type,
-                                      details=details)
-                results[rank] = message[1]
+                outcome = _outcome(ray, ref, refs[ref])
+                if isinstance(outcome, RankFailure):
+                    failures.append(outcome)
+                    grace_end = grace_end or time.monotonic() + FAILURE_GRACE
+                else:
+                    results[refs[ref]] = outcome
+        if failures:
+            raise first_failure(failures)
         return [results[i] for i in range(len(refs))]
+
+
+def _outcome(ray, ref, rank: int):
+    """A rank's report, or the RankFailure it amounts to."""
+    from ray.exceptions import RayActorError
+
+    try:
+        message = ray.get(ref)
+    except RayActorError as exc:  # killed, or its node is gone
+        return RankFailure(f"rank {rank} died: {_first_line(exc)}", rank=rank)
+    if message[0] == "error":
+        _, exc_type, text, details, when = message
+        failure = RankFailure(f"rank {rank} raised {exc_type}: {text}", rank=rank, exc_type=exc_type, details=details)
+        failure.when = when
+        return failure
+    return message[1]
 
 
 def _first_line(exc: BaseException) -> str:

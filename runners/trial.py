@@ -159,8 +159,12 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     else:
         with autocast:
             peak = tracked_step(run.step, run.stage, optimizer, batch).total
-    if spec.memory_budget and peak > spec.memory_budget:
-        raise MemoryBudgetExceeded(f"rank {ctx.rank} peak {peak} bytes > budget {spec.memory_budget} bytes")
+    if spec.memory_budget:  # every rank decides on the worst rank's peak, so all stop together
+        worst = torch.tensor([peak], dtype=torch.long, device=ctx.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if int(worst.item()) > spec.memory_budget:
+            raise MemoryBudgetExceeded(f"peak {int(worst.item())} bytes > budget {spec.memory_budget} bytes "
+                                       f"(this rank: {peak})")
 
     times, waits, remeasured = [], [], 0
     while len(times) < spec.measured_steps:

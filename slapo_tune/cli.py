@@ -264,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     verify.set_defaults(func=cmd_verify)
+    from .search._command import add_arguments, cmd_show, cmd_tune
+
+    tune = sub.add_parser("tune", help="search for the fastest schedule that fits, running real trials")
+    add_arguments(tune)
+    tune.set_defaults(func=cmd_tune)
+    show = sub.add_parser("show", help="print a results folder's trials table and best point")
+    show.add_argument("folder")
+    show.set_defaults(func=cmd_show)
     return parser
 
 

@@ -28,6 +28,7 @@ class RankFailure(SlapoTuneError, RuntimeError):
                  exc_type: str = "", details: str = ""):
         super().__init__(message)
         self.rank, self.kind, self.exc_type, self.details = rank, kind, exc_type, details
+        self.when = time.time()  # when it happened (a rank's report carries its own clock)
 
 
 @dataclass
@@ -49,6 +50,7 @@ def default_backend(world_size: int) -> str:
 
 def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s, cores=None):
     os.setpgrp()  # our own process group: killing it takes any helper processes with it
+    _die_with_parent()
     if cores:
         os.sched_setaffinity(0, cores)
     os.environ.update(env)
@@ -72,9 +74,20 @@ def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, ti
             dist.destroy_process_group()
         conn.send(("ok", rank, result))
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        conn.send(("error", rank, *describe_exception(exc)))
+        conn.send(("error", rank, *describe_exception(exc), time.time()))
     finally:
         conn.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank if the launching process dies (a SIGKILLed tuner must
+    not leave ranks behind)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: the parent's cleanup still applies
+        pass
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -94,7 +107,8 @@ def describe_exception(exc: BaseException) -> tuple[str, str, str]:
     return type(root).__name__, text, "".join(traceback.format_exception(root))
 
 
-def _kill(procs) -> None:
+def kill_processes(procs) -> None:
+    """SIGKILL each rank's process group, by PID, and reap the ranks."""
     for p in procs:
         if p.is_alive():
             try:
@@ -115,6 +129,7 @@ def launch(
     threads_per_rank: int | None = None,
     env: dict[str, str] | None = None,
     cores: Sequence[Sequence[int]] | None = None,
+    running: set | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` ranks; returns each rank's result, by rank.
 
@@ -122,6 +137,8 @@ def launch(
     naming the first rank that failed, with its exception type and traceback, or ``kind="timeout"``
     after ``timeout`` seconds. No rank process outlives this call. ``cores``: the CPU cores
     each rank is pinned to (one list per rank), so that concurrent launches never share a core.
+    ``running``: a set the rank processes are added to while they live (so another thread can
+    :func:`kill_processes` them, e.g. on Ctrl-C).
     """
     import torch.distributed as dist
 
@@ -149,10 +166,14 @@ def launch(
             proc.start()
             child_end.close()
             procs.append(proc)
+            if running is not None:
+                running.add(proc)
             conns.append(parent_end)
         return _collect(procs, conns, timeout)
     finally:
-        _kill(procs)
+        kill_processes(procs)
+        if running is not None:
+            running.difference_update(procs)
         for c in conns:
             c.close()
         del store
@@ -168,23 +189,64 @@ def _collect(procs, conns, timeout: float) -> list[Any]:
             ranks = sorted(pending.values())
             raise RankFailure(f"timed out after {timeout:.0f} s waiting for rank(s) {ranks}", rank=ranks[0], kind="timeout")
         ready = connection.wait(list(pending) + [procs[i].sentinel for i in pending.values()], timeout=remaining)
-        for obj in ready:
-            if obj in pending:
-                rank = pending.pop(obj)
-                try:
-                    msg = obj.recv()
-                except EOFError:
-                    msg = None
-                if msg is None:
-                    raise RankFailure(_death_message(procs[rank], rank), rank=rank)
-                if msg[0] == "error":
-                    _, r, exc_type, text, tb = msg
-                    raise RankFailure(f"rank {r} raised {exc_type}: {text}", rank=r, exc_type=exc_type, details=tb)
-                results[rank] = msg[2]
-        for conn, rank in list(pending.items()):
-            if not procs[rank].is_alive() and not conn.poll():
-                raise RankFailure(_death_message(procs[rank], rank), rank=rank)
+        failures = _receive(ready, pending, procs, results)
+        if failures:
+            raise _root_failure(failures, pending, procs, results)
     return [results[i] for i in range(len(procs))]
+
+
+FAILURE_GRACE = 1.0  # seconds to hear from the other ranks once one failed, to name the first cause
+
+
+def _receive(ready, pending, procs, results) -> list[RankFailure]:
+    """Take the messages of ready ranks into ``results``; return the failures seen, timed."""
+    failures = []
+    for obj in ready:
+        if obj not in pending:
+            continue
+        rank = pending.pop(obj)
+        try:
+            msg = obj.recv()
+        except EOFError:
+            msg = None
+        if msg is None:
+            failures.append(RankFailure(_death_message(procs[rank], rank), rank=rank))
+        elif msg[0] == "error":
+            _, r, exc_type, text, tb, when = msg
+            failure = RankFailure(f"rank {r} raised {exc_type}: {text}", rank=r, exc_type=exc_type, details=tb)
+            failure.when = when
+            failures.append(failure)
+        else:
+            results[rank] = msg[2]
+    for conn, rank in list(pending.items()):
+        if not procs[rank].is_alive() and not conn.poll():
+            del pending[conn]
+            failures.append(RankFailure(_death_message(procs[rank], rank), rank=rank))
+    return failures
+
+
+def _is_peer_error(failure: RankFailure) -> bool:
+    """A rank that failed only because another one went away first."""
+    text = str(failure)
+    return failure.exc_type in ("DistBackendError", "DistNetworkError") or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def _root_failure(failures, pending, procs, results) -> RankFailure:
+    """The failure that came first, preferring a rank's own error or death over the peer errors
+    it causes on the others (whose reports can reach us first)."""
+    deadline = time.monotonic() + FAILURE_GRACE
+    while pending and time.monotonic() < deadline:
+        ready = connection.wait(list(pending) + [procs[i].sentinel for i in pending.values()],
+                                timeout=max(0.0, deadline - time.monotonic()))
+        failures += _receive(ready, pending, procs, results)
+    return first_failure(failures)
+
+
+def first_failure(failures: list[RankFailure]) -> RankFailure:
+    """The earliest failure, a rank's own error or death before peer errors."""
+    own = [f for f in failures if not _is_peer_error(f)]
+    return min(own or failures, key=lambda f: f.when)
 
 
 def _death_message(proc, rank: int) -> str:

@@ -1,0 +1,131 @@
+"""The exported schedule: ``best_schedule.json``, a versioned, framework-neutral description of a
+tuned schedule point. Plain JSON data, validated field by field on load, never executed."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+FORMAT = "slapo-tune-schedule"
+VERSION = 1
+
+# field -> (type(s), required)
+_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "format": ((str,), True),
+    "version": ((int,), True),
+    "template": ((dict,), True),
+    "knobs": ((dict,), True),
+    "world_size": ((int,), True),
+    "layout": ((dict,), True),
+    "global_batch": ((int,), True),
+    "micro_batch": ((int,), True),
+    "accumulation": ((int,), True),
+    "seq_len": ((int,), True),
+    "dtype": ((str,), True),
+    "model": ((dict,), True),
+    "device": ((str,), True),
+    "versions": ((dict,), False),
+    "measured": ((dict,), False),
+    "predicted": ((dict,), False),
+    "study": ((str,), False),
+    "created": ((str,), False),
+}
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("slapo-tune", "torch", "transformers", "optuna", "ray"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def make_schedule(*, template: Mapping[str, str], knobs: Mapping[str, Any], world_size: int, global_batch: int,
+                  seq_len: int, dtype: str, model: Mapping[str, Any], device: str, accumulation: int,
+                  measured: Mapping[str, Any] | None = None, predicted: Mapping[str, Any] | None = None,
+                  study: str = "") -> dict[str, Any]:
+    return {
+        "format": FORMAT, "version": VERSION, "template": dict(template), "knobs": dict(knobs),
+        "world_size": world_size,
+        "layout": {k: knobs[k] for k in ("tp", "pp", "dp", "zero") if k in knobs},
+        "global_batch": global_batch, "micro_batch": knobs["micro_batch"], "accumulation": accumulation,
+        "seq_len": seq_len, "dtype": dtype, "model": dict(model), "device": device,
+        "versions": library_versions(), "measured": dict(measured or {}), "predicted": dict(predicted or {}),
+        "study": study, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
+    """Check the structure of a schedule; raises UsageError naming the first problem."""
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: not a schedule file (expected a JSON object)")
+    if data.get("format") != FORMAT:
+        raise UsageError(f"{where}: not a slapo-tune schedule (format {data.get('format')!r}, expected {FORMAT!r})")
+    if data.get("version") != VERSION:
+        raise UsageError(f"{where}: unsupported schedule version {data.get('version')!r} (this slapo-tune reads "
+                         f"version {VERSION}); re-export it with a matching slapo-tune")
+    for name, (types, required) in _FIELDS.items():
+        if name not in data:
+            if required:
+                raise UsageError(f"{where}: missing field '{name}'")
+            continue
+        value = data[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise UsageError(f"{where}: field '{name}' should be {types[0].__name__}, got {type(value).__name__}")
+    for name in ("name", "version"):
+        if not isinstance(data["template"].get(name), str):
+            raise UsageError(f"{where}: template.{name} must be a string")
+    if not isinstance(data["model"].get("name"), str):
+        raise UsageError(f"{where}: model.name must be a string")
+    for key, value in data["knobs"].items():
+        if not isinstance(value, (int, float, str)) or isinstance(value, bool):
+            raise UsageError(f"{where}: knob {key} has a non-scalar value {value!r}")
+    for name in ("world_size", "global_batch", "micro_batch", "accumulation", "seq_len"):
+        if data[name] < 1:
+            raise UsageError(f"{where}: {name} must be positive, got {data[name]}")
+    return data
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_schedule(path: str | os.PathLike, schedule: Mapping[str, Any]) -> None:
+    write_json_atomic(path, validate(dict(schedule)))
+
+
+def read_schedule(path: str | os.PathLike) -> dict[str, Any]:
+    """Load and validate a schedule file (UsageError with one line on any problem)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UsageError(f"schedule file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read schedule file {path}: {exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"schedule file {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return validate(data, str(path))

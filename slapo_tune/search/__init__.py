@@ -1,0 +1,7 @@
+"""The tuner: a driver-side Optuna search (ask/tell) over a template's space, pruned by the cost
+model, with trials on a runner (local processes or a Ray cluster), resumable from its storage."""
+
+from ._driver import TuneConfig, Tuner
+from ._strategies import STRATEGIES, make_strategy
+
+__all__ = ["STRATEGIES", "TuneConfig", "Tuner", "make_strategy"]

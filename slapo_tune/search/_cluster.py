@@ -1,0 +1,177 @@
+"""Where trials run: a Ray cluster the tuner starts, one it attaches to, or local processes.
+
+``local`` starts a Ray head as its own process (``ray start --head --block`` in a new session),
+not a ``ray.init()`` owned by the driver: a driver killed with SIGKILL then leaves the head
+running instead of orphaning Ray's agents, the re-run command re-attaches to it (its PID and
+address are recorded in the output folder), and the head is stopped, by PID, when the study
+finishes. The dashboard binds to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+
+HEAD_FILE = ".ray_head.json"
+
+
+@dataclass
+class Cluster:
+    runner: object
+    kind: str  # local-ray | ray | none
+    address: str | None = None
+    dashboard: str | None = None
+    head_pid: int | None = None
+    head_file: Path | None = None
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "trials run as local processes (no Ray)"
+        where = f"Ray cluster at {self.address}"
+        if self.dashboard:
+            where += f"; dashboard {self.dashboard}"
+            if self.kind == "local-ray" or os.environ.get("RAY_AUTH_MODE") == "token":
+                where += " (token auth: header 'Authorization: Bearer <token>', token in ~/.ray/auth_token)"
+        return where
+
+    def stop(self) -> None:
+        """Disconnect; stop the head this tuner started (by its PID), so nothing is left running."""
+        self.runner.close()
+        if self.kind == "none":
+            return
+        import ray
+
+        ray.shutdown()
+        if self.head_pid:
+            stop_head(self.head_pid)
+        if self.head_file:
+            self.head_file.unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def stop_head(pid: int, grace: float = 20.0) -> None:
+    """SIGTERM the head's session (``ray start --block`` then stops what it started), SIGKILL
+    what is left after ``grace`` seconds."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+def start_head(out: Path, num_cpus: int) -> tuple[int, str, str]:
+    """Start a local Ray head; returns (pid, GCS address, dashboard URL)."""
+    ray_exe = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_exe is None:
+        raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none")
+    port, dash = _free_port(), _free_port()
+    temp = Path(os.environ.get("SLAPO_RAY_TMPDIR", "/tmp")) / f"slapo-ray-{port}"  # short: socket paths are limited
+    log = open(out / "ray_head.log", "ab")  # noqa: SIM115 - handed to the head process
+    cmd = [ray_exe, "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
+           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--temp-dir={temp}", "--disable-usage-stats"]
+    # token authentication on, deliberately: the dashboard and GCS then refuse callers without
+    # the token in ~/.ray/auth_token (the head writes it; this driver reads it)
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    log.close()
+    return proc.pid, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+
+
+def _connect(address: str, timeout: float, namespace: str) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+            return
+        except (ConnectionError, RuntimeError) as exc:
+            if time.monotonic() >= deadline:
+                raise UsageError(f"cannot reach the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
+            time.sleep(1.0)
+
+
+def connect(ray_address: str, out: Path, world_size: int, concurrency: int | None) -> Cluster:
+    """A runner for ``--ray-address``: ``none`` (local processes), ``local`` (a head this tuner
+    starts or re-attaches to), or the address of a running cluster."""
+    from runners import LocalRunner
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if ray_address == "none":
+        c = concurrency or max(1, cores // world_size)
+        return Cluster(LocalRunner(concurrency=c), "none")
+    if ray_address == "local":
+        os.environ["RAY_AUTH_MODE"] = "token"  # before Ray reads its configuration (see start_head)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none") from None
+    from runners.ray_runner import RayRunner
+
+    namespace = "slapo-tune"
+    if ray_address == "local":
+        head_file = out / HEAD_FILE
+        recorded = json.loads(head_file.read_text()) if head_file.is_file() else None
+        if recorded and _alive(recorded["pid"]):
+            pid, address, dashboard = recorded["pid"], recorded["address"], recorded["dashboard"]
+        else:
+            pid, address, dashboard = start_head(out, cores)
+            tmp = head_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": pid, "address": address, "dashboard": dashboard}))
+            tmp.replace(head_file)
+        try:
+            _connect(address, 90.0, namespace)
+        except UsageError:
+            stop_head(pid)
+            head_file.unlink(missing_ok=True)
+            raise
+        return Cluster(RayRunner(concurrency=_fit(concurrency, world_size)), "local-ray", address, dashboard, pid,
+                       head_file)
+    _connect(ray_address, 20.0, namespace)
+    return Cluster(RayRunner(concurrency=_fit(concurrency, world_size)), "ray", ray_address, None)
+
+
+def _fit(concurrency: int | None, world_size: int) -> int:
+    """Trials in flight: as asked, else as many as the cluster's CPUs hold at one CPU per rank."""
+    import ray
+
+    if concurrency:
+        return concurrency
+    return max(1, int(ray.cluster_resources().get("CPU", 1) // world_size))

@@ -1,0 +1,39 @@
+"""Where a study lives: an embedded journal file under the output folder by default, or any
+Optuna RDB URL (SQLite, PostgreSQL for a team's shared study). Passwords in URLs are never shown."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import UsageError
+
+JOURNAL_NAME = "study.journal"
+
+
+def redact(url: str) -> str:
+    """``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``."""
+    return re.sub(r"(://[^/:@]+:)[^@/]*@", r"\1***@", url)
+
+
+def open_storage(url: str | None, out: Path):
+    """An Optuna storage for ``url`` (None: ``OUT/study.journal``); UsageError if unusable."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    if url is None or url.startswith("journal:") or url.endswith(".journal"):
+        path = Path(url.removeprefix("journal:")) if url else out / JOURNAL_NAME
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(str(path)))
+        except OSError as exc:
+            raise UsageError(f"cannot use the study journal {path}: {exc.strerror or exc}") from None
+    if "://" not in url:
+        raise UsageError(f"unreadable storage URL '{redact(url)}': expected sqlite:///PATH, postgresql://..., "
+                         f"mysql://... or a .journal file")
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as exc:  # noqa: BLE001 - drivers raise many kinds; the user needs one line
+        reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
+        raise UsageError(f"cannot open storage {redact(url)}: {reason}") from None
