@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 tune: $(STAMP)
-	$(VENV)/bin/slapo-tune demo
+	$(VENV)/bin/slapo-tune tune
 
 test: $(STAMP)
 	$(PY) -m pytest -q

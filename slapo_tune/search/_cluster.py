@@ -95,37 +95,80 @@ def stop_head(pid: int, grace: float = 20.0) -> None:
         os.waitpid(pid, 0)
 
 
+def ensure_auth_token() -> Path:
+    """The token the local head and this driver share (created, private to the user, if missing)."""
+    import secrets
+
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
+
+
 def start_head(out: Path, num_cpus: int) -> tuple[int, str, str]:
     """Start a local Ray head; returns (pid, GCS address, dashboard URL)."""
     ray_exe = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_exe is None:
         raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none")
     port, dash = _free_port(), _free_port()
-    temp = Path(os.environ.get("SLAPO_RAY_TMPDIR", "/tmp")) / f"slapo-ray-{port}"  # short: socket paths are limited
+    # Ray's Unix sockets live under the temp dir and their paths may not exceed ~107 bytes
+    base = Path(os.environ.get("SLAPO_RAY_TMPDIR", "/tmp"))
+    temp = (base if len(str(base)) <= 40 else Path("/tmp")) / f"slapo-ray-{port}"
     log = open(out / "ray_head.log", "ab")  # noqa: SIM115 - handed to the head process
     cmd = [ray_exe, "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
            f"--temp-dir={temp}", "--disable-usage-stats"]
     # token authentication on, deliberately: the dashboard and GCS then refuse callers without
     # the token in ~/.ray/auth_token (the head writes it; this driver reads it)
+    ensure_auth_token()
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()
     return proc.pid, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
 
 
-def _connect(address: str, timeout: float, namespace: str) -> None:
+def _connect(address: str, timeout: float, namespace: str, head_pid: int | None = None,
+             log: Path | None = None) -> None:
+    """Wait until the GCS port answers (a head still booting), then attach once: ``ray.init`` on a
+    dead address retries for minutes, so it is only called on a live one."""
     import ray
 
     deadline = time.monotonic() + timeout
     while True:
+        if head_pid is not None and not _alive(head_pid):
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log and log.is_file() else []
+            raise UsageError(f"the local Ray head exited while starting: {tail[0] if tail else 'no log'} "
+                             f"(log: {log})")
         try:
-            ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
-            return
-        except (ConnectionError, RuntimeError) as exc:
+            check_reachable(address, timeout=2.0)
+            break
+        except UsageError:
             if time.monotonic() >= deadline:
-                raise UsageError(f"cannot reach the Ray cluster at {address}: {str(exc).splitlines()[0]}") from None
-            time.sleep(1.0)
+                raise
+            time.sleep(0.5)
+    try:
+        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+    except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
+
+
+def check_reachable(address: str, timeout: float = 3.0) -> None:
+    """Fail fast on an address nobody listens on (``ray.init`` would retry for minutes)."""
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"bad Ray address '{address}': expected HOST:PORT (or local / none)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
 
 
 def connect(ray_address: str, out: Path, world_size: int, concurrency: int | None) -> Cluster:
@@ -157,14 +200,14 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             tmp.write_text(json.dumps({"pid": pid, "address": address, "dashboard": dashboard}))
             tmp.replace(head_file)
         try:
-            _connect(address, 90.0, namespace)
+            _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log")
         except UsageError:
             stop_head(pid)
             head_file.unlink(missing_ok=True)
             raise
         return Cluster(RayRunner(concurrency=_fit(concurrency, world_size)), "local-ray", address, dashboard, pid,
                        head_file)
-    _connect(ray_address, 20.0, namespace)
+    _connect(ray_address, 3.0, namespace)
     return Cluster(RayRunner(concurrency=_fit(concurrency, world_size)), "ray", ray_address, None)
 
 

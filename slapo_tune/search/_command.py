@@ -83,7 +83,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from ..models import preset_names
     from ._cluster import connect
     from ._driver import TuneConfig, Tuner
-    from ._storage import open_storage, redact
+    from ._storage import check_storage, redact
 
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
@@ -105,8 +105,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                         concurrency=args.concurrency or 1, seed=args.seed, prune=args.prune, patience=args.patience,
                         measured_steps=args.measured_steps, trial_time_limit=trial_timeout)
     tuner = Tuner(config, runner=None)  # validates model, template and world before anything is written
-    if args.storage and "://" in args.storage:
-        open_storage(args.storage, out)  # an unusable URL fails here, before any file is written
+    check_storage(args.storage)  # an unusable URL fails here, before anything is started or written
     report = _Reporter("quiet" if args.quiet else "json" if args.json_lines else "bar")
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
                       args.concurrency)

@@ -16,13 +16,30 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^/:@]+:)[^@/]*@", r"\1***@", url)
 
 
+def is_journal(url: str | None) -> bool:
+    return url is None or url.startswith("journal:") or url.endswith(".journal")
+
+
+def check_storage(url: str | None) -> None:
+    """Refuse an unusable storage before anything is started or written (RDB URLs are opened)."""
+    if is_journal(url) or url == "memory":
+        return
+    if "://" not in url:
+        raise UsageError(f"unreadable storage URL '{redact(url)}': expected sqlite:///PATH, postgresql://..., "
+                         f"mysql://... or a .journal file")
+    open_storage(url, Path("."))
+
+
 def open_storage(url: str | None, out: Path):
-    """An Optuna storage for ``url`` (None: ``OUT/study.journal``); UsageError if unusable."""
+    """An Optuna storage for ``url`` (None: ``OUT/study.journal``; ``memory``: nothing kept, for
+    replays); UsageError if unusable."""
+    if url == "memory":
+        return None
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    if url is None or url.startswith("journal:") or url.endswith(".journal"):
+    if is_journal(url):
         path = Path(url.removeprefix("journal:")) if url else out / JOURNAL_NAME
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,73 @@
+"""Record a measured grid: every legal point of a small space, trained for real on local ranks.
+
+The table (knobs, per-rank peak tensor memory, step times) is the input of the search-strategy
+benchmark and of the replay tests, which answer trials from it instead of running them.
+Run: ``python -m benchmarks.record_grid [--out benchmarks/data/gpt2_tiny_w2.csv]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GRID = dict(model="gpt2-tiny", world_size=2, global_batch=16, seq_len=64, fixed={"attn": "sdpa"})
+DEFAULT_OUT = Path(__file__).with_name("data") / "gpt2_tiny_w2.csv"
+
+
+def grid_points() -> list[dict]:
+    from search_spaces import template_for
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.template import ModelInfo, Workload
+
+    config = ModelSpec(GRID["model"]).config()
+    space = template_for(config).space(ModelInfo.from_config(config),
+                                       Workload(GRID["world_size"], GRID["global_batch"], GRID["seq_len"]))
+    return [p for p in space.enumerate() if all(p[k] == v for k, v in GRID["fixed"].items())]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--chunk", type=int, default=40, help="points per launch (ranks start once per chunk)")
+    args = parser.parse_args(argv)
+
+    from search_spaces import template_for
+    from slapo_tune.cost_model.measure import measure_points_rank
+    from slapo_tune.launch import launch
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.template import Workload
+
+    spec = ModelSpec(GRID["model"])
+    template = template_for(spec.config())
+    workload = Workload(GRID["world_size"], GRID["global_batch"], GRID["seq_len"])
+    points = grid_points()
+    rows = []
+    t0 = time.perf_counter()
+    for i in range(0, len(points), args.chunk):
+        chunk = points[i:i + args.chunk]
+        per_rank = launch(measure_points_rank, GRID["world_size"], args=(spec, template.name, chunk, workload, 3),
+                          timeout=3600)
+        for j, point in enumerate(chunk):
+            reports = [r[j] for r in per_rank]
+            steps = [max(r["step_times"][k] for r in reports) for k in range(len(reports[0]["step_times"]))]
+            rows.append({**point, "peak": max(r["total"] for r in reports),
+                         "step_s": statistics.median(steps), "step_times": " ".join(f"{s:.5f}" for s in steps)})
+        print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""slapo-tune tune, end to end on CPU: a local Ray head, cost-model pruning, trials visible in the
+dashboard's state API, exported schedule; exact resume after the driver is SIGKILLed; bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from slapo_tune.cli import main
+from slapo_tune.schedule_file import read_schedule
+
+LAUNCHED = ("ok", "oom", "crash", "timeout")
+TUNE = ["--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8", "--seq-len", "32",
+        "--memory-budget", "4MiB", "--measured-steps", "1", "--concurrency", "1", "--quiet"]
+
+
+@pytest.fixture
+def ray_tmp():
+    """A short temp dir for the Ray head (its socket paths may not exceed ~107 bytes)."""
+    path = tempfile.mkdtemp(prefix="sr", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _env(tmp_path: Path, mark: str, ray_tmp: str) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    # every process the tuner starts (Ray head, agents, workers, ranks) inherits the mark
+    return {**os.environ, "HOME": str(home), "SLAPO_RAY_TMPDIR": ray_tmp, "SLAPO_TEST_MARK": mark,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+
+
+def _marked(mark: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"SLAPO_TEST_MARK={mark}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _assert_nothing_left(mark: str) -> None:
+    deadline = time.monotonic() + 30
+    left = _marked(mark)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _marked(mark)
+    assert not left, f"processes of the study still running: {left}"
+
+
+def _rows(out: Path) -> pd.DataFrame:
+    return pd.read_csv(out / "trials.csv")
+
+
+def _launched_points(frame: pd.DataFrame, knobs: list[str]) -> list[tuple]:
+    return [tuple(r) for r in frame[frame.status.isin(LAUNCHED)][knobs].itertuples(index=False)]
+
+
+KNOBS = ["tp", "pp", "dp", "zero", "micro_batch", "ckpt_ratio", "pipeline_schedule", "attn", "fuse"]
+
+
+def _dashboard_trial_names(out: Path, home: Path) -> set[str]:
+    head = json.loads((out / ".ray_head.json").read_text())
+    token = (home / ".ray" / "auth_token").read_text().strip()
+    req = urllib.request.Request(f"{head['dashboard']}/api/v0/actors?limit=1000",
+                                 headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        data = json.load(resp)
+    names: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            if isinstance(x.get("name"), str) and x["name"].startswith("trial-"):
+                names.add(x["name"])
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(data)
+    return names
+
+
+def test_tune_end_to_end(tmp_path, ray_tmp):
+    out, mark = tmp_path / "study", uuid.uuid4().hex
+    env = _env(tmp_path, mark, ray_tmp)
+    proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "10", "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[str] = set()
+    try:
+        while proc.poll() is None and not seen:  # the running dashboard lists the trial actors by name
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                seen = _dashboard_trial_names(out, tmp_path / "home")
+            time.sleep(1)
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert seen and all(" rank " in name and "tp=" in name for name in seen), seen
+    frame = _rows(out)
+    launched = _launched_points(frame, KNOBS)
+    assert len(launched) == 10 and len(set(launched)) == 10  # no point ran twice
+    pruned = {tuple(r) for r in frame[frame.status == "pruned"][KNOBS].itertuples(index=False)}
+    assert pruned and not pruned & set(launched)  # pruned points were never launched
+    assert (frame[frame.status == "pruned"].predicted_peak > 4 * 2**20).all()
+    schedule = read_schedule(out / "best_schedule.json")
+    ok = frame[frame.status == "ok"]
+    best = ok.loc[ok.samples_per_s.idxmax()]
+    assert schedule["measured"]["samples_per_s"] == pytest.approx(best.samples_per_s)
+    assert {k: schedule["knobs"][k] for k in ("tp", "pp", "micro_batch")} == {k: int(best[k]) for k in ("tp", "pp", "micro_batch")}
+    assert max(schedule["measured"]["peak_memory"]) <= 4 * 2**20
+    assert "data:image/png;base64" in (out / "report.html").read_text()
+    assert "best:" in stdout and "slapo-tune show" in stdout
+    _assert_nothing_left(mark)
+    assert main(["show", str(out)]) == 0
+
+
+def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
+    out, mark = tmp_path / "study", uuid.uuid4().hex
+    env = _env(tmp_path, mark, ray_tmp)
+    cmd = [sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "5", "--strategy", "random",
+           "--out", str(out)]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and first.poll() is None:
+            if (out / "trials.csv").is_file() and len(_launched_points(_rows(out), KNOBS)) >= 2:
+                break
+            time.sleep(0.5)
+        assert first.poll() is None, "the first run finished before it could be killed"
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.wait()
+    before = len(_launched_points(_rows(out), KNOBS))
+    assert 2 <= before < 5
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    frame = _rows(out)
+    launched = _launched_points(frame, KNOBS)
+    assert len(launched) == 5 and len(set(launched)) == 5  # exactly the requested trials, none twice
+    _assert_nothing_left(mark)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--space", "no-such-space"], "unknown space/template 'no-such-space'"),
+    (["--world-size", "3", "--global-batch", "8"], "no legal schedule for gpt2-tiny on 3 ranks"),
+    (["--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
+    (["--storage", "nosuchdb://user:hunter2@host/db"], "cannot open storage nosuchdb://user:***@host/db"),
+    (["--storage", "not-a-url"], "unreadable storage URL 'not-a-url'"),
+    (["--memory-budget", "4XB"], "unparsable size '4XB'"),
+    (["--strategy", "simulated-annealing"], "unknown strategy 'simulated-annealing'"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
+    code = main(["tune", "--model", "gpt2-tiny", "--out", str(out), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert "hunter2" not in err
+    assert not out.exists()
+
+
+def test_output_folder_that_is_a_file_is_refused(tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.write_text("keep me")
+    code = main(["tune", "--model", "gpt2-tiny", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a file" in err and out.read_text() == "keep me"
