@@ -85,8 +85,8 @@ class ModelRanked(Strategy):
 class Frontier(Strategy):
     """Slapo's walk along the out-of-memory frontier: for each setting of the other knobs, the
     largest micro-batch first and the least checkpointing that fits it. A point is skipped when a
-    known result settles it: a larger-or-equal micro-batch with less-or-equal checkpointing ran
-    out of memory (so it cannot fit either), or the same micro-batch already fits with less
+    known result settles it: a smaller-or-equal micro-batch with more-or-equal checkpointing ran
+    out of memory (so this point, needing at least as much, cannot fit either), or the same micro-batch already fits with less
     checkpointing (so it can only be slower)."""
 
     name = "frontier"
@@ -112,7 +112,7 @@ class Frontier(Strategy):
                 if point_key(p) in known:
                     continue
                 mb, ck = p[self.SIZE], p[self.CKPT]
-                if any(s in INFEASIBLE and m >= mb and c <= ck for m, c, s in seen):
+                if any(s in INFEASIBLE and m <= mb and c >= ck for m, c, s in seen):
                     continue
                 if any(s == "ok" and m == mb and c < ck for m, c, s in seen):
                     continue

@@ -1,0 +1,69 @@
+"""Search strategies replayed on a recorded grid of measured trials (no training runs here):
+TPE and the cost-model ranking reach 3 % of the grid's optimum within 20 % of its feasible
+points; no point is launched twice; pruned points are never launched; the frontier walk never
+launches a point that a known out-of-memory result already rules out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.search_strategies import load_grid, search, trials_to_within
+from runners.replay import ReplayRunner
+from slapo_tune.search import TuneConfig, Tuner
+
+
+@pytest.fixture(scope="module")
+def grid():
+    results, budget = load_grid()
+    feasible = [r for r in results if r.status == "ok"]
+    return results, budget, max(r.samples_per_s for r in feasible), max(1, int(0.2 * len(feasible)))
+
+
+@pytest.mark.parametrize("strategy,seed", [("model", 0), ("tpe", 0)])  # the spread over seeds: benchmarks.search_strategies
+def test_reaches_3_percent_of_the_optimum_within_20_percent_of_the_grid(grid, strategy, seed):
+    results, budget, optimum, limit = grid
+    launched = search(strategy, seed, "analytic", results, budget, trials=limit)
+    found = trials_to_within(launched, optimum)
+    assert found is not None and found <= limit, (found, limit)
+
+
+def _tuner(strategy, results, budget, trials, prune="analytic"):
+    from benchmarks.record_grid import GRID
+
+    runner = ReplayRunner(results)
+    config = TuneConfig(model="gpt2-tiny", world_size=GRID["world_size"], memory_budget=budget, out=Path("replay"),
+                        global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], trials=trials,
+                        strategy=strategy, storage="memory", prune=prune,
+                        space="benchmarks.search_strategies:FixedAttention")
+    return Tuner(config, runner, write_outputs=False), runner
+
+
+@pytest.mark.parametrize("strategy", ["tpe", "random", "grid", "frontier", "model"])
+def test_no_point_twice_and_pruned_points_never_launched(grid, strategy):
+    results, budget, _, _ = grid
+    tuner, runner = _tuner(strategy, results, budget, trials=30)
+    summary = tuner.run()
+    keys = [tuple(sorted(p.items())) for p in runner.launched]
+    assert len(keys) == len(set(keys)) == summary["launched"] == 30
+    pruned = [t.user_attrs["point"] for t in tuner.study.trials if t.user_attrs.get("status") == "pruned"]
+    assert not {tuple(sorted(p.items())) for p in pruned} & set(keys)
+    for p in pruned:
+        assert not tuner.cost.verdict(p, budget).fits
+
+
+def test_frontier_skips_points_an_oom_rules_out(grid):
+    results, budget, _, _ = grid
+    tuner, runner = _tuner("frontier", results, budget, trials=40, prune="none")
+    tuner.run()
+    by_key = {tuple(sorted(r.knobs.items())): r.status for r in results}
+    ooms = []
+    for p in runner.launched:
+        group = {k: v for k, v in p.items() if k not in ("micro_batch", "ckpt_ratio")}
+        for q in ooms:
+            same = {k: v for k, v in q.items() if k not in ("micro_batch", "ckpt_ratio")} == group
+            assert not (same and q["micro_batch"] <= p["micro_batch"] and q["ckpt_ratio"] >= p["ckpt_ratio"]), (p, q)
+        if by_key[tuple(sorted(p.items()))] == "oom":
+            ooms.append(p)
+    assert ooms  # the walk did meet the frontier
