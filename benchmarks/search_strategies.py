@@ -13,7 +13,6 @@ import argparse
 import csv
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,17 +46,22 @@ def load_grid(path: Path = DEFAULT_OUT) -> tuple[list, int]:
     return results, budget
 
 
-def search(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int) -> list[float]:
-    """Throughput of each launched trial, in launch order (0 for oom)."""
+def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int):
+    """(Tuner, ReplayRunner) searching the recorded grid, its study in memory, nothing written."""
     from runners.replay import ReplayRunner
     from slapo_tune.search import TuneConfig, Tuner
 
     runner = ReplayRunner(results)
     config = TuneConfig(model=GRID["model"], world_size=GRID["world_size"], memory_budget=budget,
-                        out=Path(tempfile.gettempdir()) / "slapo-replay", global_batch=GRID["global_batch"],
-                        seq_len=GRID["seq_len"], trials=trials, strategy=strategy, storage="memory", seed=seed,
-                        prune=prune, space="benchmarks.search_strategies:FixedAttention")
-    tuner = Tuner(config, runner, write_outputs=False)
+                        out=Path("replay"), global_batch=GRID["global_batch"], seq_len=GRID["seq_len"],
+                        trials=trials, strategy=strategy, storage="memory", seed=seed, prune=prune,
+                        space="benchmarks.search_strategies:FixedAttention")
+    return Tuner(config, runner, write_outputs=False), runner
+
+
+def search(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int) -> list[float]:
+    """Throughput of each launched trial, in launch order (0 for oom)."""
+    tuner, runner = replay_tuner(strategy, seed, prune, results, budget, trials)
     tuner.run()
     table = {tuple(sorted(r.knobs.items())): r for r in results}
     return [table[tuple(sorted(p.items()))].samples_per_s or 0.0 for p in runner.launched]

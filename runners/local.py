@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
-from slapo_tune.launch import kill_processes, launch
+from slapo_tune.launch import kill_processes, launch, usable_cores
 
 from ._base import Runner
 from .trial import TrialSpec, trial_rank
@@ -17,8 +16,7 @@ class CorePool:
     (a shared core makes both trials' timings meaningless)."""
 
     def __init__(self, cores: list[int] | None = None):
-        available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        self.cores = sorted(cores) if cores else available
+        self.cores = sorted(cores) if cores else usable_cores()
         self._free = list(self.cores)
         self._cond = threading.Condition()
 

@@ -3,16 +3,13 @@ search strategies on a measured grid without running anything."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
+
+from slapo_tune.space import point_key
 
 from ._base import Runner
 from .trial import TrialResult, TrialSpec
-
-
-def point_key(point: Mapping[str, Any]) -> str:
-    return json.dumps(dict(sorted(point.items())))
 
 
 class ReplayRunner(Runner):

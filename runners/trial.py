@@ -120,6 +120,7 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     from search_spaces import load_template, template_for
     from slapo_tune.cost_model import tracked_step
     from slapo_tune.data import synthetic_batch
+    from slapo_tune.launch import usable_cores
     from slapo_tune.realize import ModelSpec, realize
     from slapo_tune.runtime import default_optimizer
     from slapo_tune.template import Workload
@@ -185,7 +186,7 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     return {"rank": ctx.rank, "stage": run.stage.info.index, "is_last": run.stage.info.is_last,
             "times": times, "waits": waits, "remeasured": remeasured, "peak": peak,
             "rss": peak_rss_bytes(), "losses": losses, "started": started, "finished": time.time(),
-            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
+            "cores": usable_cores()}
 
 
 # ---------------------------------------------------------------------------- driver side

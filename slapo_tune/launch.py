@@ -40,6 +40,13 @@ class RankContext:
     device: str
 
 
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on (its affinity where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def default_backend(world_size: int) -> str:
     import torch
 
@@ -147,7 +154,7 @@ def launch(
     backend = backend or default_backend(world_size)
     if cores is not None and len(cores) != world_size:
         raise ValueError(f"cores: expected one core list per rank ({world_size}), got {len(cores)}")
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    available = len(usable_cores())
     threads = threads_per_rank or max(1, min(len(c) for c in cores) if cores else available // world_size)
     child_env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ._atomic import atomic_write_text
 from .errors import UsageError
 
 FORMAT = "slapo-tune-schedule"
@@ -99,16 +99,7 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     """Write JSON so that readers see the old file or the new one, never a part."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def write_schedule(path: str | os.PathLike, schedule: Mapping[str, Any]) -> None:

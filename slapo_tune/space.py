@@ -225,6 +225,11 @@ def format_point(point: Mapping[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in point.items())
 
 
+def point_key(point: Mapping[str, Any]) -> str:
+    """Order-independent identity of a point (for "was this point already run?")."""
+    return json.dumps(dict(sorted(point.items())))
+
+
 def point_json(point: Mapping[str, Any]) -> str:
     """Stable JSON form (knob order preserved)."""
     return json.dumps(dict(point))

@@ -5,13 +5,9 @@ launches a point that a known out-of-memory result already rules out."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from benchmarks.search_strategies import load_grid, search, trials_to_within
-from runners.replay import ReplayRunner
-from slapo_tune.search import TuneConfig, Tuner
+from benchmarks.search_strategies import load_grid, replay_tuner, search, trials_to_within
 
 
 @pytest.fixture(scope="module")
@@ -29,21 +25,10 @@ def test_reaches_3_percent_of_the_optimum_within_20_percent_of_the_grid(grid, st
     assert found is not None and found <= limit, (found, limit)
 
 
-def _tuner(strategy, results, budget, trials, prune="analytic"):
-    from benchmarks.record_grid import GRID
-
-    runner = ReplayRunner(results)
-    config = TuneConfig(model="gpt2-tiny", world_size=GRID["world_size"], memory_budget=budget, out=Path("replay"),
-                        global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], trials=trials,
-                        strategy=strategy, storage="memory", prune=prune,
-                        space="benchmarks.search_strategies:FixedAttention")
-    return Tuner(config, runner, write_outputs=False), runner
-
-
 @pytest.mark.parametrize("strategy", ["tpe", "random", "grid", "frontier", "model"])
 def test_no_point_twice_and_pruned_points_never_launched(grid, strategy):
     results, budget, _, _ = grid
-    tuner, runner = _tuner(strategy, results, budget, trials=30)
+    tuner, runner = replay_tuner(strategy, 0, "analytic", results, budget, trials=30)
     summary = tuner.run()
     keys = [tuple(sorted(p.items())) for p in runner.launched]
     assert len(keys) == len(set(keys)) == summary["launched"] == 30
@@ -55,7 +40,7 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy):
 
 def test_frontier_skips_points_an_oom_rules_out(grid):
     results, budget, _, _ = grid
-    tuner, runner = _tuner("frontier", results, budget, trials=40, prune="none")
+    tuner, runner = replay_tuner("frontier", 0, "none", results, budget, trials=40)
     tuner.run()
     by_key = {tuple(sorted(r.knobs.items())): r.status for r in results}
     ooms = []

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from .._atomic import atomic_write_text
 from .analytic import ModelLayout, layout_of
 
 CARDS_FILE = Path(__file__).with_name("preset_cards.json")
@@ -54,9 +55,7 @@ def write_cards() -> Path:
     from ..models import preset_names
 
     cards = {name: compute_card(name) for name in preset_names()}
-    tmp = CARDS_FILE.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cards, indent=1, sort_keys=True) + "\n")
-    tmp.replace(CARDS_FILE)
+    atomic_write_text(CARDS_FILE, json.dumps(cards, indent=1, sort_keys=True) + "\n")
     return CARDS_FILE
 
 

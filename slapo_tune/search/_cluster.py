@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._atomic import atomic_write_text
 from ..errors import UsageError
 
 HEAD_FILE = ".ray_head.json"
@@ -176,7 +177,9 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
     starts or re-attaches to), or the address of a running cluster."""
     from runners import LocalRunner
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from ..launch import usable_cores
+
+    cores = len(usable_cores())
     if ray_address == "none":
         c = concurrency or max(1, cores // world_size)
         return Cluster(LocalRunner(concurrency=c), "none")
@@ -196,9 +199,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             pid, address, dashboard = recorded["pid"], recorded["address"], recorded["dashboard"]
         else:
             pid, address, dashboard = start_head(out, cores)
-            tmp = head_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"pid": pid, "address": address, "dashboard": dashboard}))
-            tmp.replace(head_file)
+            atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard}))
         try:
             _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log")
         except UsageError:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..space import Point, format_point
-from ._strategies import make_strategy, point_key, random_unknown
+from ..space import Point, format_point, point_key
+from ._strategies import make_strategy, random_unknown
 
 FINISHED = ("ok", "oom", "crash", "timeout")
 MAX_DUPLICATES = 20  # consecutive known points from a sampler before the driver picks one itself
@@ -137,8 +137,7 @@ class Tuner:
         storage = open_storage(self.config.storage, self.config.out)
         directions = ["maximize", "minimize"] if self.config.multi_objective else ["maximize"]
         name = self.config.study or self.config.out.name
-        sampler = make_strategy(self.config.strategy, self.space, self.config.seed,
-                                rank=self._predicted_throughput).sampler(self.config.multi_objective)
+        sampler = self.strategy.sampler(self.config.multi_objective)
         self.study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=sampler,
                                          load_if_exists=True)
         self._check_same_study()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import base64
 import html
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from .._atomic import atomic_write, atomic_write_text
 from ..schedule_file import make_schedule, write_schedule
 
 PLOTS = ("best_so_far", "throughput_by_knob", "memory_predicted_vs_measured", "pruned_region")
@@ -50,17 +49,6 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def best_trial(study):
     """The fastest trial that ran ``ok``, or None."""
     best = None
@@ -77,11 +65,11 @@ def write_outputs(tuner) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = trial_rows(tuner.study, tuner.space.names)
     frame = pd.DataFrame(rows)
-    _atomic(out / "trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
+    atomic_write(out / "trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
     try:
         import pyarrow  # noqa: F401
 
-        _atomic(out / "trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
+        atomic_write(out / "trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
     except ImportError:
         pass
     best = best_trial(tuner.study)
@@ -125,7 +113,7 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
 
     def save(fig, name):
         path = out / f"{name}.png"
-        _atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
         plt.close(fig)
         made.append(name)
 
@@ -195,4 +183,4 @@ def write_report(out: Path, frame, tuner) -> None:
     parts.append(frame.to_html(index=False, na_rep="", float_format=lambda x: f"{x:.4g}") if len(frame) else "")
     parts.append("</body></html>")
     text = "\n".join(parts)
-    _atomic(out / "report.html", lambda tmp: Path(tmp).write_text(text))
+    atomic_write_text(out / "report.html", text)

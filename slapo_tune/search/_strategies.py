@@ -10,19 +10,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from ..errors import UsageError
-from ..space import Point, Space
+from ..space import Point, Space, point_key
 
 STRATEGIES = ("tpe", "grid", "random", "frontier", "model")
 INFEASIBLE = ("oom", "pruned")
-
-
-def point_key(point: Mapping[str, Any]) -> str:
-    import json
-
-    return json.dumps(dict(sorted(point.items())))
 
 
 class Strategy:
