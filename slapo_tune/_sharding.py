@@ -93,7 +93,10 @@ class ShardSpec:
         """This rank's shard of the full tensor ``full``."""
         blocks = self._split(full, self.axis)
         mine = [b.chunk(self.size, dim=self.axis)[self.rank] for b in blocks]
-        return torch.cat(mine, dim=self.axis).contiguous() if len(mine) > 1 else mine[0].contiguous()
+        if len(mine) > 1:
+            return torch.cat(mine, dim=self.axis)
+        # a chunk is a view: copied, so that the full tensor's storage is freed, not kept alive
+        return mine[0].clone(memory_format=torch.contiguous_format)
 
     def assemble(self, local: torch.Tensor) -> torch.Tensor:
         """Rebuild the full tensor from every rank's shard (a collective over the group)."""

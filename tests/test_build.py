@@ -77,6 +77,9 @@ def test_sharded_materialization_is_the_slice_of_the_full_tensor(fake_group, ran
     assert torch.equal(sharded.transformer.wte.weight, full.transformer.wte.weight.chunk(2, 0)[rank])
     assert sharded.lm_head.weight is sharded.transformer.wte.weight
     assert torch.equal(sharded.transformer.h[0].ln_1.weight, full.transformer.h[0].ln_1.weight)
+    # a shard owns its memory: no shard keeps the full tensor's storage alive
+    for name, p in sharded.named_parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
 
 
 def test_small_units_give_the_same_weights_across_units_and_ties(monkeypatch):
