@@ -15,6 +15,7 @@ from ._graph import FusedLinear, Match, bias_then, fuse_linears  # noqa: E402
 from ._schedule import Schedule, create_schedule  # noqa: E402
 from ._sharding import Layout  # noqa: E402
 from ._verify import VerifyReport, reference_copy, verify  # noqa: E402
+from .apply import LoadedSchedule, apply_schedule, load_schedule  # noqa: E402
 from .errors import (  # noqa: E402
     MaterializeError,
     PatternError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FusedLinear",
     "Layout",
+    "LoadedSchedule",
     "Match",
     "MaterializeError",
     "PatternError",
@@ -49,6 +51,7 @@ __all__ = [
     "UsageError",
     "VerificationError",
     "VerifyReport",
+    "apply_schedule",
     "bias_then",
     "build",
     "build_model",
@@ -56,6 +59,7 @@ __all__ = [
     "create_schedule",
     "fuse_linears",
     "load_config",
+    "load_schedule",
     "materialize",
     "preset_names",
     "reference_copy",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import SlapoTuneError, UsageError
 
@@ -232,6 +233,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, run_under_torchrun, under_torchrun
+
+    config = TrainConfig(schedule=args.schedule, model=args.model, allow_model_mismatch=args.allow_model_mismatch,
+                         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, save=args.save,
+                         save_every=args.save_every, keep=args.keep, resume=args.resume, init_from=args.init_from,
+                         log_every=args.log_every)
+    if under_torchrun():
+        run_under_torchrun(config)
+        return EXIT_OK
+    from .apply import load_schedule
+    from .data import TrainingData
+    from .launch import RankFailure, launch
+    from .train import latest_checkpoint, train_rank
+
+    loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size,
+                           allow_model_mismatch=args.allow_model_mismatch)
+    TrainingData(args.data, loaded.model.config().vocab_size, loaded.workload.global_batch,
+                 loaded.workload.seq_len)  # a bad data file fails here, before any rank starts
+    if args.resume:
+        latest_checkpoint(args.resume)
+    if args.init_from and not Path(args.init_from).is_dir():
+        raise UsageError(f"--init-from {args.init_from}: no such folder")
+    point = ", ".join(f"{k}={v}" for k, v in loaded.point.items())
+    print(f"training {loaded.model.name} on {loaded.world_size} local rank(s) with {point}", flush=True)
+    try:
+        losses = launch(train_rank, loaded.world_size, args=(config,), timeout=args.timeout)[0]
+    except RankFailure as exc:
+        if exc.exc_type == "UsageError":
+            raise UsageError(str(exc).split(": ", 1)[-1]) from None
+        raise
+    if losses:
+        print(f"done: {len(losses)} step(s), final loss {losses[-1]:.6f}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="slapo-tune", description="Autotune large-model training schedules.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -264,6 +301,25 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     verify.set_defaults(func=cmd_verify)
+    train = sub.add_parser("train", help="train with an exported schedule (local ranks, or under torchrun)")
+    train.add_argument("--schedule", required=True, help="a best_schedule.json from slapo-tune tune")
+    train.add_argument("--model", default=None, help="train this model instead of the schedule's (preset or config)")
+    train.add_argument("--allow-model-mismatch", action="store_true",
+                       help="use the schedule on a model whose config differs from the one it was tuned for")
+    train.add_argument("--world-size", type=_positive, default=None,
+                       help="expected number of ranks (must equal the schedule's)")
+    train.add_argument("--data", default="synthetic", help="synthetic (default), a text file or a .npy of token ids")
+    train.add_argument("--steps", type=_positive, default=30)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--save", default=None, help="checkpoint folder (written at the end and every --save-every)")
+    train.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    train.add_argument("--keep", type=int, default=2, help="checkpoints kept (default: %(default)s)")
+    train.add_argument("--resume", default=None, help="continue from the latest checkpoint in this folder")
+    train.add_argument("--init-from", default=None, help="initial weights from a Hugging Face checkpoint folder")
+    train.add_argument("--log-every", type=_positive, default=1)
+    train.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the ranks are killed")
+    train.set_defaults(func=cmd_train)
     from .search._command import add_arguments, cmd_show, cmd_tune
 
     tune = sub.add_parser("tune", help="search for the fastest schedule that fits, running real trials")

@@ -46,14 +46,18 @@ class Realized:
 
 
 def realize(spec: ModelSpec, template: Template, point: Mapping[str, Any], workload: Workload, *,
-            seed: int = 0, device: str | torch.device | None = None, topology: Topology | None = None) -> Realized:
+            seed: int = 0, device: str | torch.device | None = None, topology: Topology | None = None,
+            model: torch.nn.Module | None = None) -> Realized:
     """Schedule ``spec``'s model for ``point`` and return this rank's stage and training step.
 
+    ``model`` is an already built instance of ``spec`` whose real weights are kept (sliced where
+    sharded); by default the model is built on the meta device and initialised from ``seed``.
     All ranks of the world call it together (it creates the process groups).
     """
     device_type = torch.device(device).type if device is not None else "cpu"
     topo = topology or init_topology(pp=point["pp"], tp=point["tp"], device_type=device_type)
-    model = spec.build("meta")
+    if model is None:
+        model = spec.build("meta")
     sch = template.schedule(model, point, topo)
     stage = build(sch, topology=topo, zero=point["zero"], seed=seed, device=device)
     accum = accumulation(point, workload)

@@ -39,6 +39,11 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 
 
+# generous bounds: a tampered size must fail here, not make the space enumeration run for ever
+_LIMITS = {"world_size": 2**20, "global_batch": 2**31, "micro_batch": 2**31, "accumulation": 2**31,
+           "seq_len": 2**24}
+
+
 def library_versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -91,9 +96,9 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
     for key, value in data["knobs"].items():
         if not isinstance(value, (int, float, str)) or isinstance(value, bool):
             raise UsageError(f"{where}: knob {key} has a non-scalar value {value!r}")
-    for name in ("world_size", "global_batch", "micro_batch", "accumulation", "seq_len"):
-        if data[name] < 1:
-            raise UsageError(f"{where}: {name} must be positive, got {data[name]}")
+    for name, limit in _LIMITS.items():
+        if not 1 <= data[name] <= limit:
+            raise UsageError(f"{where}: {name} must be between 1 and {limit}, got {data[name]}")
     return data
 
 

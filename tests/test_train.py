@@ -1,0 +1,256 @@
+"""The training job: a tuned schedule trains like the unscheduled model, resumes exactly, runs
+under torchrun, loads Hugging Face weights, and refuses bad schedule files in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+import slapo_tune as st
+from slapo_tune.apply import load_schedule
+from slapo_tune.cli import main
+from slapo_tune.data import TrainingData
+from slapo_tune.models import config_fingerprint, load_config
+from slapo_tune.realize import ModelSpec
+from slapo_tune.schedule_file import make_schedule, write_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+)", re.M)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slapo_tune", *args], env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {int(step): float(loss) for step, loss in STEP.findall(stdout)}
+
+
+def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32, **knobs) -> Path:
+    point = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
+             "attn": "sdpa", "fuse": "off", **knobs}
+    world = point["tp"] * point["pp"] * point["dp"]
+    config = load_config(preset)
+    schedule = make_schedule(
+        template={"name": preset.split("-")[0], "version": "1"}, knobs=point, world_size=world,
+        global_batch=global_batch, seq_len=seq_len, dtype="fp32", device="cpu",
+        accumulation=global_batch // (point["dp"] * point["micro_batch"]),
+        model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)})
+    write_schedule(path, schedule)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory) -> Path:
+    """A schedule exported by a real (small) tuning run of gpt2-tiny on 2 ranks."""
+    out = tmp_path_factory.mktemp("tuned")
+    done = _cli("tune", "--model", "gpt2-tiny", "--world-size", "2", "--memory-budget", "64MiB", "--trials", "2",
+                "--ray-address", "none", "--prune", "analytic", "--measured-steps", "1", "--global-batch", "8",
+                "--seq-len", "32", "--out", str(out), "--quiet", timeout=600)
+    assert done.returncode == 0, done.stderr
+    return out / "best_schedule.json"
+
+
+def _reference_losses(preset: str, global_batch: int, seq_len: int, steps: int, lr: float = 1e-3) -> list[float]:
+    """The same training with the unscheduled model in this process."""
+    model = st.build(st.create_schedule(st.build_model(preset)), seed=0)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    data = TrainingData("synthetic", model.config.vocab_size, global_batch, seq_len, seed=0)
+    losses = []
+    for step in range(steps):
+        loss = model(**data.batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_tuned_schedule_trains_like_the_unscheduled_model(tuned, no_leftover_children):
+    loaded = load_schedule(tuned)
+    assert loaded.world_size == 2
+    done = _cli("train", "--schedule", str(tuned), "--steps", "30")
+    assert done.returncode == 0, done.stderr
+    losses = _losses(done.stdout)
+    assert sorted(losses) == list(range(1, 31))
+    reference = _reference_losses("gpt2-tiny", loaded.workload.global_batch, loaded.workload.seq_len, 30)
+    for step, expected in enumerate(reference, start=1):
+        assert losses[step] == pytest.approx(expected, abs=2e-3), (step, loaded.point)
+    assert losses[30] < losses[1] - 0.2  # it learns (6.25 -> 5.90 here)
+
+
+def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
+    schedule = _schedule(tmp_path / "s.json", dp=2, zero=3, ckpt_ratio=0.5)  # sharded params and optimizer
+    whole = _cli("train", "--schedule", str(schedule), "--steps", "30", "--save", str(tmp_path / "a"))
+    assert whole.returncode == 0, whole.stderr
+
+    cmd = [sys.executable, "-m", "slapo_tune", "train", "--schedule", str(schedule), "--steps", "30",
+           "--save", str(tmp_path / "b"), "--save-every", "5"]
+    job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                           start_new_session=True)
+    try:
+        for line in job.stdout:
+            if line.startswith("step 15/"):
+                break
+        job.send_signal(signal.SIGKILL)
+    finally:
+        job.kill()
+        job.wait(timeout=60)
+    assert (tmp_path / "b" / "latest").is_file()
+    resumed = _cli("train", "--schedule", str(schedule), "--steps", "30", "--resume", str(tmp_path / "b"),
+                   "--save", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr
+    start = int(re.search(r"resumed from .* at step (\d+)", resumed.stdout).group(1))
+    assert 10 <= start <= 15
+    expected, got = _losses(whole.stdout), _losses(resumed.stdout)
+    assert got == {s: expected[s] for s in range(start + 1, 31)}  # the loss curve continues exactly
+    for rank in range(2):
+        a = torch.load(tmp_path / "a" / "step-000030" / f"rank-{rank:05d}.pt", weights_only=True)
+        b = torch.load(tmp_path / "b" / "step-000030" / f"rank-{rank:05d}.pt", weights_only=True)
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            assert torch.equal(a["params"][name], b["params"][name]), name
+        for name in a["optimizer"]:
+            for key in a["optimizer"][name]:
+                assert torch.equal(a["optimizer"][name][key], b["optimizer"][name][key]), (name, key)
+
+
+def test_torchrun_runs_the_same_job(tmp_path, no_leftover_children):
+    schedule = _schedule(tmp_path / "s.json", tp=2)
+    ours = _cli("train", "--schedule", str(schedule), "--steps", "3")
+    assert ours.returncode == 0, ours.stderr
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "slapo_tune", "train",
+                           "--schedule", str(schedule), "--steps", "3"], env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _losses(done.stdout) == _losses(ours.stdout) and len(_losses(ours.stdout)) == 3
+    # the README's own-loop example, on the same schedule: the same losses
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"In your own training loop.*?```python\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "loop.py").write_text(code)
+    loop = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(tmp_path / "loop.py"),
+                           str(schedule)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert loop.returncode == 0, loop.stderr[-2000:]
+    own = {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", loop.stdout, re.M)}
+    assert len(own) == 5 and {s: own[s] for s in (1, 2, 3)} == _losses(ours.stdout)
+
+
+def test_initial_weights_come_from_a_hugging_face_checkpoint(tmp_path, no_leftover_children):
+    torch.manual_seed(123)
+    hf = st.build_model("gpt2-tiny", device="cpu")
+    hf.save_pretrained(tmp_path / "hf")
+    schedule = _schedule(tmp_path / "s.json", tp=2)
+    done = _cli("train", "--schedule", str(schedule), "--steps", "1", "--init-from", str(tmp_path / "hf"))
+    assert done.returncode == 0, done.stderr
+    batch = TrainingData("synthetic", hf.config.vocab_size, 8, 32, seed=0).batch(0)
+    with torch.no_grad():
+        expected = hf(**batch).loss.item()
+    assert _losses(done.stdout)[1] == pytest.approx(expected, abs=1e-5)  # not re-initialised
+    initialised = st.build(st.create_schedule(st.build_model("gpt2-tiny")), seed=0)  # what no checkpoint gives
+    with torch.no_grad():
+        assert abs(initialised(**batch).loss.item() - expected) > 1e-3
+
+
+# ------------------------------------------------------------------ bad input
+def _edit(path: Path, **changes) -> Path:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if key == "knobs":
+            data["knobs"].update(value)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"),
+    ("truncated", "is not valid JSON"),
+    ("version", "unsupported schedule version 2"),
+    ("tampered", "tp=3 is not legal"),
+    ("model", "was tuned for model 'gpt2-tiny'"),
+    ("world", "is for 2 ranks but this job has 4"),
+    ("template", "is not built in"),
+])
+def test_bad_schedule_is_one_line_exit_2(tmp_path, capsys, case, message):
+    path = _schedule(tmp_path / "s.json", tp=2)
+    args = ["train", "--schedule", str(path)]
+    if case == "missing":
+        args[2] = str(tmp_path / "nope.json")
+    elif case == "truncated":
+        path.write_text(path.read_text()[:100])
+    elif case == "version":
+        _edit(path, version=2)
+    elif case == "tampered":
+        _edit(path, knobs={"tp": 3})
+    elif case == "model":
+        args += ["--model", "llama-tiny"]
+    elif case == "world":
+        args += ["--world-size", "4"]
+    elif case == "template":
+        _edit(path, template={"name": "os:system", "version": "1"})
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_model_mismatch_can_be_overridden(tmp_path):
+    path = _schedule(tmp_path / "s.json", tp=2)
+    loaded = load_schedule(path, model=ModelSpec("gpt2-tiny", {"n_layer": 2}),
+                           allow_model_mismatch=True)
+    assert loaded.overridden == ["model"] and loaded.point["tp"] == 2
+
+
+_JSON = hs.recursive(hs.none() | hs.booleans() | hs.integers(-2**70, 2**70) | hs.floats(allow_nan=True)
+                     | hs.text(max_size=8), lambda c: hs.lists(c, max_size=3) | hs.dictionaries(hs.text(max_size=6), c,
+                                                                                                 max_size=3),
+                     max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=hs.lists(hs.tuples(hs.sampled_from(["drop", "set", "knob", "model", "template"]), hs.text(max_size=12),
+                                _JSON), max_size=4),
+       cut=hs.one_of(hs.none(), hs.integers(0, 2000)))
+def test_malformed_schedule_files_never_crash(tmp_path, edits, cut):
+    valid = make_schedule(template={"name": "gpt2", "version": "1"},
+                          knobs={"tp": 2, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0,
+                                 "pipeline_schedule": "1f1b", "attn": "sdpa", "fuse": "off"},
+                          world_size=2, global_batch=8, seq_len=32, dtype="fp32", device="cpu", accumulation=4,
+                          model={"name": "gpt2-tiny", "overrides": {},
+                                 "fingerprint": config_fingerprint(load_config("gpt2-tiny"))})
+    data = json.loads(json.dumps(valid))
+    keys = sorted(data)
+    for kind, key, value in edits:
+        if kind == "drop":
+            data.pop(keys[len(key) % len(keys)], None)
+        elif kind == "set":
+            data[keys[len(key) % len(keys)]] = value
+        elif isinstance(data.get(kind if kind != "knob" else "knobs"), dict):
+            target = data[kind if kind != "knob" else "knobs"]
+            target[key or "tp"] = value
+    text = json.dumps(data)
+    if cut is not None:
+        text = text[:cut]
+    path = tmp_path / "fuzz.json"
+    path.write_text(text)
+    try:
+        load_schedule(path)
+    except st.UsageError as exc:
+        assert str(exc) and "\n" not in str(exc)
