@@ -254,3 +254,22 @@ def test_malformed_schedule_files_never_crash(tmp_path, edits, cut):
         load_schedule(path)
     except st.UsageError as exc:
         assert str(exc) and "\n" not in str(exc)
+
+
+def test_training_data_from_text_and_token_files(tmp_path):
+    import numpy as np
+
+    (tmp_path / "a.txt").write_text("hello slapo-tune " * 20)
+    text = TrainingData(str(tmp_path / "a.txt"), 512, 4, 16, seed=3)
+    batch = text.batch(7)
+    assert batch["input_ids"].shape == (4, 16) and int(batch["input_ids"].max()) < 256
+    assert torch.equal(batch["input_ids"], TrainingData(str(tmp_path / "a.txt"), 512, 4, 16, seed=3).batch(7)["input_ids"])
+    assert not torch.equal(batch["input_ids"], text.batch(8)["input_ids"])
+    np.save(tmp_path / "t.npy", np.arange(100) % 50)
+    tokens = TrainingData(str(tmp_path / "t.npy"), 64, 2, 8).batch(0)["input_ids"]
+    assert torch.all((tokens[:, 1:] - tokens[:, :-1]) % 50 == 1)  # contiguous windows of the file
+    for bad, message in [("nope.txt", "does not exist"), ("t.npy", "outside the vocabulary")]:
+        with pytest.raises(st.UsageError, match=message):
+            TrainingData(str(tmp_path / bad), 32, 2, 8)
+    with pytest.raises(st.UsageError, match="at least 256"):
+        TrainingData(str(tmp_path / "a.txt"), 128, 2, 8)
