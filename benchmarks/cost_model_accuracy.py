@@ -4,10 +4,11 @@ For GPT-2- and Llama-style models sized so that activations dominate, at world s
 a seeded sample of legal points (tp, pp, zero, checkpointing, micro-batch, attention, fusion) is
 run for real: peak tensor memory per rank (the same tensor-level tracker on real tensors) and step
 time. Compared with the exact mode (fake step per stage) and the analytic mode (calibrated on a
-*separate* sample of exact points, and uncalibrated), and the time model's ranking (Spearman).
+*separate* sample of exact points, and uncalibrated), and the time model's ranking (Spearman),
+its weights fitted to the calibration points' measured steps.
 
 Writes ``results/benchmarks/cost_model_points.csv``, ``cost_model_memory.png`` and a JSON summary.
-Run: ``python -m benchmarks.cost_model_accuracy [--points-per-world 11] [--quick]``.
+Run: ``python -m benchmarks.cost_model_accuracy [--points-per-world 10] [--quick]``.
 """
 
 from __future__ import annotations
@@ -83,14 +84,26 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
                 samples_peaks.append({s: b.total for s, b in model.exact(p).items()})
         calibration_seconds = time.perf_counter() - t0
         from slapo_tune.cost_model import calibration as cal
-        from slapo_tune.cost_model.analytic import memory_terms
+        from slapo_tune.cost_model.analytic import memory_terms, time_terms
 
         fit_samples = []
         for (world, p), peaks in zip(samples_points, samples_peaks):
             layout = CostModel(spec, template, Workload(world, GLOBAL_BATCH, SEQ), device).layout
             for st in memory_terms(layout, p, Workload(world, GLOBAL_BATCH, SEQ)):
-                fit_samples.append((st.terms, peaks[st.stage]))
+                fit_samples.append((st.events, peaks[st.stage]))
         calibration = cal.fit(fit_samples)
+        # the time model's weights from the calibration points' measured steps (disjoint from the evaluated)
+        time_samples = []
+        for world, pts in calibration_points:
+            workload = Workload(world, GLOBAL_BATCH, SEQ)
+            measured = launch(measure_points_rank, world, args=(spec, template.name, pts, workload, timed_steps),
+                              timeout=7200)
+            model = CostModel(spec, template, workload, device, calibration=calibration)
+            for i, p in enumerate(pts):
+                time_samples.append((time_terms(model.layout, p, workload, device),
+                                     statistics.median(measured[0][i]["step_times"])))
+        calibration.time_weights = cal.fit_time(time_samples)
+        calibration.time_points = len(time_samples)
         for world in worlds:
             workload = Workload(world, GLOBAL_BATCH, SEQ)
             model = CostModel(spec, template, workload, device, calibration=calibration)
@@ -109,6 +122,7 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
                 per_rank = [r[i] for r in measured]
                 step = statistics.median(per_rank[0]["step_times"])
                 predicted_step = model.time(p).step
+                uncalibrated_step = default.time(p).step
                 for stage in range(p["pp"]):
                     peaks = [r["total"] for r in per_rank if r["stage"] == stage]
                     rows.append({
@@ -118,6 +132,7 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
                         "exact_error": exact[stage] / max(peaks) - 1, "analytic_error": analytic[stage] / max(peaks) - 1,
                         "uncalibrated_error": plain[stage] / max(peaks) - 1,
                         "step_seconds": step, "predicted_step_seconds": predicted_step,
+                        "uncalibrated_step_seconds": uncalibrated_step,
                         "exact_seconds": exact_seconds, "trial_seconds": measure_seconds / len(pts),
                     })
             print(f"{label} world {world}: {len(pts)} points measured in {measure_seconds:.0f} s", flush=True)
@@ -134,10 +149,12 @@ def report(result: dict) -> dict:
         return {"median": statistics.median(errs), "max": max(errs), "min_signed": min(r[key] for r in rows)}
 
     points = {(r["model"], r["world"], r["point"]): r for r in rows}  # one per point (time ranking)
-    per_model = {}
-    for label in {r["model"] for r in rows}:
+    per_model, per_model_uncalibrated = {}, {}
+    for label in sorted({r["model"] for r in rows}):
         pts = [r for r in points.values() if r["model"] == label]
         per_model[label] = spearman([r["predicted_step_seconds"] for r in pts], [r["step_seconds"] for r in pts])
+        per_model_uncalibrated[label] = spearman([r["uncalibrated_step_seconds"] for r in pts],
+                                                 [r["step_seconds"] for r in pts])
     summary = {
         "points": len(points), "stage_rows": len(rows),
         "exact": stats("exact_error"), "analytic": stats("analytic_error"),
@@ -145,6 +162,7 @@ def report(result: dict) -> dict:
         "time_spearman_all": spearman([r["predicted_step_seconds"] for r in points.values()],
                                       [r["step_seconds"] for r in points.values()]),
         "time_spearman_per_model": per_model,
+        "time_spearman_per_model_uncalibrated": per_model_uncalibrated,
         "exact_seconds_median": statistics.median(r["exact_seconds"] for r in points.values()),
         "trial_seconds_median": statistics.median(r["trial_seconds"] for r in points.values()),
     }
@@ -183,8 +201,8 @@ def write_outputs(result: dict, summary: dict) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--points-per-world", type=int, default=11)
-    parser.add_argument("--calibration-per-world", type=int, default=6)
+    parser.add_argument("--points-per-world", type=int, default=10)
+    parser.add_argument("--calibration-per-world", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="fewer points (a smoke run, not the reported figures)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -199,7 +217,9 @@ def main(argv=None) -> dict:
         print(f"  {mode:<22} median |error| {m['median'] * 100:5.2f} %, max {m['max'] * 100:5.2f} %, "
               f"worst under-prediction {min(0.0, m['min_signed']) * 100:5.2f} %")
     print(f"  time ranking: Spearman {s['time_spearman_all']:.3f} over all points; per model "
-          + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model"].items()))
+          + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model"].items())
+          + " (uncalibrated: " + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model_uncalibrated"].items())
+          + ")")
     print(f"  cost: exact mode {s['exact_seconds_median']:.1f} s per point vs a real trial {s['trial_seconds_median']:.1f} s")
     return summary
 

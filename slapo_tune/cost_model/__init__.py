@@ -24,6 +24,7 @@ from .analytic import (
     model_flops_per_step,
     predict_memory,
     predict_time,
+    time_terms,
 )
 from .calibration import Calibration
 from .hardware import PRESETS, Hardware, hardware
@@ -88,15 +89,28 @@ class CostModel:
             terms = memory_terms(self.layout, point, self.workload)
             for st in terms:
                 if st.stage in per_stage:
-                    samples.append((st.terms, per_stage[st.stage]))
-        self.calibration = _calibration.fit(samples, "measured" if measured is not None else "exact")
+                    samples.append((st.events, per_stage[st.stage]))
+        fitted = _calibration.fit(samples, "measured" if measured is not None else "exact")
+        fitted.time_weights, fitted.time_points = self.calibration.time_weights, self.calibration.time_points
+        self.calibration = fitted
         if save:
             _calibration.save(self.calibration, self.device.name, self.layout.family, self.dtype)
         return self.calibration
 
     # -------------------------------------------------------------------- time
     def time(self, point: Mapping[str, Any]) -> TimePrediction:
-        return predict_time(self.layout, point, self.workload, self.device)
+        return predict_time(self.layout, point, self.workload, self.device, self.calibration.time_weights)
+
+    def calibrate_time(self, points: Iterable[Mapping[str, Any]], step_seconds: Iterable[float],
+                       save: bool = True) -> Calibration:
+        """Fit the time terms' weights to measured step times of ``points`` (e.g. finished trials)."""
+        samples = [(time_terms(self.layout, p, self.workload, self.device), s)
+                   for p, s in zip(points, step_seconds) if s and s > 0]
+        self.calibration.time_weights = _calibration.fit_time(samples)
+        self.calibration.time_points = len(samples)
+        if save:
+            _calibration.save(self.calibration, self.device.name, self.layout.family, self.dtype)
+        return self.calibration
 
     def mfu(self, step_seconds: float, world_size: int) -> float:
         """Model FLOPs utilisation of a measured step time."""

@@ -32,48 +32,29 @@ MEMORY_TERMS = (
     "gathered",  # zero=3: a block (and its prefetched successor) plus the stage root, unsharded
     "act_replicated",  # per-token activations every tp rank keeps (norm inputs, residuals)
     "act_parallel",  # per-token activations inside the tensor-parallel region (Q/K/V, MLP width)
-    "act_scores",  # eager attention's score matrices
-    "act_scores_sdpa",  # the same under SDPA (fused kernels keep none; math fallbacks keep them)
+    "act_scores",  # what attention keeps per score element (eager: softmax; fused SDPA: none)
     "act_fused",  # extra per-token tensors of decomposed / fused layers (fuse=on)
     "act_checkpointed",  # inputs of checkpointed blocks
     "recompute",  # one block's activations rebuilt during its backward
     "logits",  # logits and the loss's softmax saved per micro-batch in flight (last stage)
     "logits_grad",  # the gradient of one micro-batch's logits (last stage, loss phase)
+    "pp_recv",  # pipeline receive buffers, one per micro-batch (stages after the first)
+    "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units
 )
 
-# The peak is reached in one of several phases of a step; terms not listed here are alive in all
-# of them. Loss: the logits, their softmax and gradient. Backward: a checkpointed block rebuilt.
-# Optimizer: AdamW's temporaries, once activations are gone.
-PHASES = {
-    "loss": ("logits_grad",),
-    "backward": ("recompute",),
-    "optimizer": ("optimizer_temp",),
-}
-PHASE_TERMS = {t for terms in PHASES.values() for t in terms}
-ACTIVATION_TERMS = ("act_replicated", "act_parallel", "act_scores", "act_scores_sdpa", "act_fused",
-                    "act_checkpointed", "logits")
+# Activations: what forward passes keep for their backward (the logits included).
+ACTIVATION_TERMS = ("act_replicated", "act_parallel", "act_scores", "act_fused", "act_checkpointed", "logits")
 
 
-_PHASE_ITEMS = tuple(PHASES.items())
-
-
-def combine(terms: Mapping[str, float], weights: Mapping[str, float]) -> tuple[float, str]:
-    """Peak bytes of a stage from its terms, and the phase that reaches it."""
-    always = activations = 0.0
-    for k, v in terms.items():
-        if k in ACTIVATION_TERMS:
-            activations += weights[k] * v
-        elif k not in PHASE_TERMS:
-            always += weights[k] * v
-    best, phase = -1.0, "loss"
-    for name, members in _PHASE_ITEMS:
-        value = 0.0 if name == "optimizer" else activations
-        for k in members:
-            value += weights[k] * terms.get(k, 0.0)
+def combine(events: Mapping[str, Mapping[str, float]], weights: Mapping[str, float]) -> tuple[float, str]:
+    """Peak bytes of a stage: the largest weighted sum over its events, and that event."""
+    best, name = -1.0, ""
+    for event, terms in events.items():
+        value = sum(weights[k] * v for k, v in terms.items())
         if value > best:
-            best, phase = value, name
-    return always + best, phase
+            best, name = value, event
+    return best, name
 
 
 # How many times each term's bytes are alive at the peak, before calibration (activation weights
@@ -85,15 +66,16 @@ DEFAULT_WEIGHTS = {
     "optimizer": 1.0,
     "optimizer_temp": 2.0,
     "gathered": 1.0,
-    "act_replicated": 5.0,
+    "act_replicated": 1.0,
     "act_parallel": 1.0,
-    "act_scores": 2.0,
-    "act_scores_sdpa": 0.0,
+    "act_scores": 1.0,
     "act_fused": 1.0,
     "act_checkpointed": 1.0,
     "recompute": 1.0,
     "logits": 2.0,
-    "logits_grad": 1.0,
+    "logits_grad": 2.0,
+    "pp_recv": 1.0,
+    "dp_buckets": 1.0,
     "constant": 1.0,
 }
 DEFAULT_UNCERTAINTY = 0.15  # relative, before calibration
@@ -119,6 +101,10 @@ class ModelLayout:
     post_sharded: int  # after the blocks (LM head) if not tied to the embedding
     post_replicated: int  # after the blocks (final norm, head transform)
     tied_head: bool
+    # measured by :func:`activation_probe`, per attention kernel: bytes one block saves for its
+    # backward per token (fp32), and per attention-score element (per head, per query and key)
+    token_bytes: dict[str, float] = field(default_factory=dict)
+    score_bytes: dict[str, float] = field(default_factory=dict)
 
     @property
     def parameters(self) -> int:
@@ -126,9 +112,22 @@ class ModelLayout:
                 + self.pre_replicated + self.post_sharded + self.post_replicated)
 
 
+_LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
+
+
 def layout_of(config, template: Template) -> ModelLayout:
     """Measure a model from its config: which parameters sit in a block, before and after the
-    blocks. Only a two-block copy is built (on the meta device); blocks are alike."""
+    blocks, and what a block keeps for its backward (:func:`activation_probe`). Only one- and
+    two-block copies are built (meta device, fake tensors); blocks are alike. Cached per config."""
+    from ..models import config_fingerprint
+
+    key = (config_fingerprint(config), template.name, str(template.version))
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _measure_layout(config, template)
+    return _LAYOUTS[key]
+
+
+def _measure_layout(config, template: Template) -> ModelLayout:
     import copy
 
     from .._pipeline import _dry_run, _topmost
@@ -163,6 +162,7 @@ def layout_of(config, template: Template) -> ModelLayout:
     post_sharded, post_rep = split(post_only)
     heads = config.num_attention_heads
     hidden = config.hidden_size
+    token_bytes, score_bytes = activation_probe(config, template, fusion=bool(template.has_fusion))
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
              or getattr(config, "n_inner", None) or 4 * hidden)
@@ -173,38 +173,150 @@ def layout_of(config, template: Template) -> ModelLayout:
         intermediate=inter, vocab=config.vocab_size, gated_mlp=gated,
         block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
         pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
+        token_bytes=token_bytes, score_bytes=score_bytes,
     )
 
+
+PROBE_SEQ = (64, 128)
+
+
+def _saved_bytes(config, template: Template | None, layers: int, seq: int, point: Mapping[str, Any]) -> int:
+    """Bytes a ``layers``-block copy of the model, scheduled for ``point`` (attention kernel,
+    fusion, tensor parallelism over a fake group), saves for its backward in one training-mode
+    forward of one sequence, parameters excluded. Fake tensors: shapes only, no compute."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .._build import build
+    from ..models import model_from_config
+    from ..template import set_attention
+    from ..topology import init_topology
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = layers
+    tp = point["tp"]
+    if tp > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        topology = init_topology(pp=1, tp=tp) if tp > 1 else None
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            if template is None:
+                model = model_from_config(small, "cpu")
+                set_attention(model, point["attn"])
+            else:
+                meta = model_from_config(small, "meta")
+                meta.config.use_cache = False
+                sch = template.schedule(meta, {**point, "ckpt_ratio": 0.0, "pp": 1}, topology)
+                model = build(sch, seed=0)
+            model.config.use_cache = False
+            model.train()
+            params = {id(p.untyped_storage()) for p in model.parameters()}
+            saved: dict[int, tuple[object, int]] = {}
+
+            def pack(t):
+                storage = t.untyped_storage()
+                if id(storage) not in params:
+                    saved[id(storage)] = (storage, storage.nbytes())  # holding it keeps ids unique
+                return t
+
+            ids = torch.zeros(1, seq, dtype=torch.long)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(input_ids=ids)
+    finally:
+        if tp > 1:
+            dist.destroy_process_group()
+    return sum(n for _, n in saved.values())
+
+
+def activation_probe(config, template: Template | None = None, fusion: bool = False
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """What one block keeps for its backward, measured rather than assumed: dropout masks,
+    softmax copies, kernels that fall back to materialising the scores (SDPA with attention
+    dropout), fused layers, what tensor parallelism really divides: all differ by family.
+
+    The saved bytes of a one- and a two-block copy, at two sequence lengths, give a block's bytes
+    per score element (per head) and per token. With ``template``, the block is scheduled: per
+    token bytes for each ``attn/fuse`` and for tp 1 and 2 (keys ``"sdpa/off/1"``...), from which
+    the replicated part (``.../rep``) and the part tensor parallelism divides (``.../par``) follow.
+    Returns ``({}, {})`` where the model cannot run on fake tensors (the textbook counts apply).
+    """
+    import torch.distributed as dist
+
+    heads = config.num_attention_heads
+    token_bytes, score_bytes = {}, {}
+    s1, s2 = PROBE_SEQ
+    tps = (1, 2) if template is not None and not dist.is_initialized() and heads % 2 == 0 else (1,)
+    try:
+        for attn in ("eager", "sdpa"):
+            base = {"attn": attn, "fuse": "off", "tp": 1}
+            per_block = [_saved_bytes(config, template, 2, s, base) - _saved_bytes(config, template, 1, s, base)
+                         for s in (s1, s2)]
+            # bytes(s) = s * token + heads * s^2 * score
+            score = max(0.0, (per_block[1] / s2 - per_block[0] / s1) / (heads * (s2 - s1)))
+            score_bytes[attn] = score
+            for fuse in ("off", "on") if fusion and template is not None else ("off",):
+                tokens = {}
+                for tp in tps:
+                    point = {"attn": attn, "fuse": fuse, "tp": tp}
+                    block = _saved_bytes(config, template, 2, s1, point) - _saved_bytes(config, template, 1, s1, point)
+                    tokens[tp] = max(0.0, block / s1 - heads / tp * s1 * score)
+                rep = min(tokens[1], max(0.0, 2 * tokens[2] - tokens[1])) if 2 in tokens else tokens[1]
+                token_bytes[f"{attn}/{fuse}/rep"] = rep
+                token_bytes[f"{attn}/{fuse}/par"] = tokens[1] - rep
+    except Exception:  # noqa: BLE001 - a model that cannot run on fake tensors keeps the textbook counts
+        return {}, {}
+    return token_bytes, score_bytes
+
+
+from .._data_parallel import _BUCKET_BYTES as DP_BUCKET_BYTES  # noqa: E402
 
 PARAM_BYTES = 4  # parameters and gradients are fp32 (16-bit training computes under autocast)
 MOMENT_BYTES = 8  # AdamW's two fp32 moments: with them, 16 bytes of model state per parameter
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def in_flight(point: Mapping[str, Any], stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
-    pp = point["pp"]
+def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[int, int]:
+    """Micro-batches whose activations a stage holds: at most, before its first backward; and
+    at most once gradients exist (after the first backward, when accumulating).
+
+    GPipe runs every forward first; 1F1B's warm-up holds ``pp - stage``, and every later forward
+    refills that many, as long as forwards remain.
+    """
+    pp, m = point["pp"], micro_batches
     if pp == 1:
-        return 1
+        return 1, 1
     if point["pipeline_schedule"] == "gpipe":
-        return micro_batches
-    return min(pp - stage, micro_batches)
+        return m, max(1, m - 1)
+    warmup = min(pp - stage, m)
+    return warmup, warmup if m > warmup else max(1, warmup - 1)
 
 
 @functools.lru_cache(maxsize=4096)
-def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
+def checkpointed_per_stage(ratio: float, total_layers: int, pp: int) -> tuple[int, ...]:
+    """How many of each pipeline stage's blocks are checkpointed (uniform spreading)."""
     from ..parallelize import checkpointed_indices
 
     chosen = checkpointed_indices(total_layers, ratio, "uniform")
-    # uniform spreading gives every stage its share; count the worst stage's
-    return max(sum(1 for i in chosen if s * layers_on_stage <= i < (s + 1) * layers_on_stage) for s in range(pp))
+    per_stage = total_layers // pp
+    return tuple(sum(1 for i in chosen if s * per_stage <= i < (s + 1) * per_stage) for s in range(pp))
+
+
+def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
+    """The most checkpointed blocks on any stage (the recomputation the slowest stage does)."""
+    return max(checkpointed_per_stage(ratio, total_layers, pp))
 
 
 @dataclass
 class StageTerms:
     stage: int
-    terms: dict[str, float]
+    terms: dict[str, float]  # each term's largest byte count over the events
     params: int  # parameters held by the rank
+    events: dict[str, dict[str, float]] = field(default_factory=dict)  # what is alive at each moment
 
 
 def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> list[StageTerms]:
@@ -214,8 +326,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     P = PARAM_BYTES
     m = accumulation(point, workload)
     per_stage = layout.layers // pp
-    ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
-    full = per_stage - ckpt
+    ckpt_per_stage = checkpointed_per_stage(point["ckpt_ratio"], layout.layers, pp)
     sharded = point["zero"] == 3 and dp > 1
     zero_div = dp if sharded else 1
     q = layout.heads * layout.head_dim
@@ -223,17 +334,32 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
     mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
     tokens = b * s
-    rep_1 = tokens * layout.hidden * B
-    par_1 = tokens * (attn_width + mlp_width) / tp * B
-    scores = b * (layout.heads / tp) * s * s * B
-    scores_1 = scores if point["attn"] == "eager" else 0.0
-    sdpa_1 = scores if point["attn"] == "sdpa" else 0.0
-    fused_1 = tokens * layout.intermediate / tp * B if point["fuse"] == "on" else 0.0
+    # a block's saved bytes per token, measured by the probe (fp32): the part every tensor-parallel
+    # rank keeps and the part it divides; the textbook counts where the model could not be probed
+    key = f"{point['attn']}/{point['fuse']}"
+    fused_extra = 0.0
+    if f"{key}/rep" in layout.token_bytes:
+        rep_bytes, par_bytes = layout.token_bytes[f"{key}/rep"], layout.token_bytes[f"{key}/par"]
+    elif f"{point['attn']}/off/rep" in layout.token_bytes:
+        rep_bytes, par_bytes = layout.token_bytes[f"{point['attn']}/off/rep"], layout.token_bytes[f"{point['attn']}/off/par"]
+        fused_extra = layout.intermediate * 4 if point["fuse"] == "on" else 0.0
+    else:
+        rep_bytes, par_bytes = 4 * 5 * layout.hidden, 4 * (attn_width + mlp_width)
+        fused_extra = layout.intermediate * 4 if point["fuse"] == "on" else 0.0
+    scale = B / 4
+    rep_1 = tokens * rep_bytes * scale
+    par_1 = tokens * par_bytes / tp * scale
+    score_bytes = layout.score_bytes.get(point["attn"], 8.0 if point["attn"] == "eager" else 0.0)
+    scores_1 = b * (layout.heads / tp) * s * s * score_bytes * scale
+    fused_1 = tokens * fused_extra / tp * scale
+    hidden_1 = tokens * layout.hidden * B
     block = layout.block_sharded / tp + layout.block_replicated
     largest = max(layout.block_sharded / 4, layout.pre_sharded, layout.post_sharded) / tp
     out = []
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
+        ckpt = ckpt_per_stage[stage]
+        full = per_stage - ckpt
         ends = 0.0
         if first:
             ends += layout.pre_sharded / tp + layout.pre_replicated
@@ -242,30 +368,55 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             if layout.tied_head and not first:
                 ends += layout.pre_sharded / tp  # the last stage's copy of the tied embedding
         params = per_stage * block + ends
-        flight = in_flight(point, stage, m)
-        logits_flight = m if (pp > 1 and point["pipeline_schedule"] == "gpipe") else 1
         # zero=3 reduce-scatters gradients only after the last micro-batch: until then they are whole
         whole = params if (not sharded or m > 1) else 0.0
         grads = (whole + (params / dp if sharded else 0.0)) * P
-        terms = {
+        fresh, held = flights(point, stage, m)
+        logits_fresh, logits_held = (fresh, held) if point["pipeline_schedule"] == "gpipe" and pp > 1 else (1, 1)
+        per_mb = {
+            "act_replicated": rep_1 * full, "act_parallel": par_1 * full, "act_scores": scores_1 * full,
+            "act_fused": fused_1 * full, "act_checkpointed": hidden_1 * ckpt,
+        }
+        base = {
             "weights": params / zero_div * P,
-            "gradients": grads if m > 1 else 0.0,
-            "gradients_single": grads if m == 1 else 0.0,
             "optimizer": params / zero_div * MOMENT_BYTES,
-            "optimizer_temp": largest / zero_div * P,
             "gathered": (2 * block + ends) * P if sharded else 0.0,
-            "act_replicated": rep_1 * full * flight,
-            "act_parallel": par_1 * full * flight,
-            "act_scores": scores_1 * full * flight,
-            "act_scores_sdpa": sdpa_1 * full * flight,
-            "act_fused": fused_1 * full * flight,
-            "act_checkpointed": rep_1 * ckpt * flight,
-            "recompute": (rep_1 + par_1 + scores_1 + sdpa_1 + fused_1) if ckpt else 0.0,
-            "logits": tokens * layout.vocab * B * logits_flight if last else 0.0,
-            "logits_grad": tokens * layout.vocab * B if last else 0.0,
+            # torch's pipeline stages keep a receive buffer per micro-batch for the whole step
+            "pp_recv": hidden_1 * m if not first else 0.0,
             "constant": 2**20,
         }
-        out.append(StageTerms(stage, terms, int(params / zero_div)))
+        logits_1 = tokens * layout.vocab * B if last else 0.0
+        accumulated = {"gradients": grads if m > 1 else 0.0}
+        events = {
+            # the most micro-batches in flight, before this step's first backward: no gradients yet
+            "forward": {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh},
+        }
+        recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
+        # the first backward runs with the most micro-batches in flight but no gradients yet; later
+        # ones with gradients (accumulating) beside fewer micro-batches
+        for suffix, flight, logits_flight, grads_alive in (("_first", fresh, logits_fresh, {}),
+                                                            ("", held, logits_held, accumulated)):
+            acts = {k: v * flight for k, v in per_mb.items()}
+            # the loss of a micro-batch: its logits' gradient (and a temporary) beside the logits
+            events["loss" + suffix] = {**base, **grads_alive, **acts, "logits": logits_1 * logits_flight,
+                                       "logits_grad": logits_1}
+            # a checkpointed block rebuilt; without accumulation the gradients appear only now
+            events["backward" + suffix] = {**base, **grads_alive, **acts, "logits": logits_1 * logits_flight,
+                                           "recompute": recompute, "gradients_single": grads if m == 1 else 0.0}
+        events.update({
+            # replicated data parallelism averages the gradients through flat buckets
+            "gradient_sync": {**base, "gradients": grads if m > 1 else 0.0,
+                              "gradients_single": grads if m == 1 else 0.0,
+                              "dp_buckets": min(grads, DP_BUCKET_BYTES) if dp > 1 and not sharded else 0.0},
+            # AdamW's temporaries, once activations are gone
+            "optimizer": {**base, "gradients": grads if m > 1 else 0.0, "gradients_single": grads if m == 1 else 0.0,
+                          "optimizer_temp": largest / zero_div * P},
+        })
+        terms: dict[str, float] = {}
+        for event in events.values():
+            for k, v in event.items():
+                terms[k] = max(terms.get(k, 0.0), v)
+        out.append(StageTerms(stage, terms, int(params / zero_div), events))
     return out
 
 
@@ -297,11 +448,10 @@ def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Work
                    uncertainty: float = DEFAULT_UNCERTAINTY) -> MemoryPrediction:
     w = {**DEFAULT_WEIGHTS, **(weights or {})}
     stages = memory_terms(layout, point, workload)
-    totals = [combine(st.terms, w)[0] for st in stages]
+    totals = [combine(st.events, w)[0] for st in stages]
     worst = max(range(len(totals)), key=totals.__getitem__)
-    _, phase = combine(stages[worst].terms, w)
-    inactive = PHASE_TERMS - set(PHASES[phase]) | (set(ACTIVATION_TERMS) if phase == "optimizer" else set())
-    breakdown = {k: int(w[k] * v) for k, v in stages[worst].terms.items() if k not in inactive}
+    _, event = combine(stages[worst].events, w)
+    breakdown = {k: int(w[k] * v) for k, v in stages[worst].events[event].items() if v}
     return MemoryPrediction([int(t) for t in totals], breakdown, uncertainty, stages[worst].params, worst)
 
 

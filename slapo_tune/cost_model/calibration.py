@@ -15,9 +15,18 @@ from pathlib import Path
 
 import numpy as np
 
-from .analytic import ACTIVATION_TERMS, DEFAULT_UNCERTAINTY, DEFAULT_WEIGHTS, MEMORY_TERMS, PHASES, combine
+from .analytic import (
+    DEFAULT_TIME_WEIGHTS,
+    DEFAULT_UNCERTAINTY,
+    DEFAULT_WEIGHTS,
+    MEMORY_TERMS,
+    TIME_TERMS,
+    combine,
+)
 
 MIN_UNCERTAINTY = 0.03
+PRIOR = 0.3  # the relative error a unit change of weight is worth
+UNDER_WEIGHT = 2.0  # how much more an under-prediction counts
 
 
 @dataclass
@@ -26,6 +35,8 @@ class Calibration:
     uncertainty: float = DEFAULT_UNCERTAINTY
     points: int = 0
     source: str = "default"
+    time_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIME_WEIGHTS))
+    time_points: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,39 +64,52 @@ def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 50) -> np.ndarray:
 FIXED_TERMS = ("weights", "gradients", "optimizer")
 
 
-def _active_terms(terms: Mapping[str, float], phase: str) -> set[str]:
-    inactive = {t for name, members in PHASES.items() if name != phase for t in members}
-    if phase == "optimizer":
-        inactive |= set(ACTIVATION_TERMS)
-    return set(terms) - inactive
-
-
-def fit(samples: Sequence[tuple[Mapping[str, float], float]], source: str = "exact",
+def fit(samples: Sequence[tuple[Mapping[str, Mapping[str, float]], float]], source: str = "exact",
         iterations: int = 10) -> Calibration:
-    """Weights from (terms of one stage, measured peak bytes) pairs.
+    """Weights from (events of one stage, measured peak bytes) pairs.
 
-    The peak is a maximum over phases, so the fit alternates: assign each sample to the phase that
+    The peak is a maximum over events, so the fit alternates: assign each sample the event that
     reaches its peak under the current weights, solve the (linear) least squares, repeat.
     """
     fixed = {k: DEFAULT_WEIGHTS[k] for k in FIXED_TERMS}
-    columns = [k for k in MEMORY_TERMS if k not in fixed and any(t.get(k, 0.0) for t, _ in samples)]
+    columns = [k for k in MEMORY_TERMS if k not in fixed
+               and any(terms.get(k, 0.0) for events, _ in samples for terms in events.values())]
     weights = dict(DEFAULT_WEIGHTS)
-    phases = None
+    assigned = None
+    row_weight = np.ones(len(samples))
     for _ in range(iterations):
-        assigned = [combine(t, weights)[1] for t, _ in samples]
-        if assigned == phases:
+        peaks = [combine(events, weights)[1] for events, _ in samples]
+        under = np.array([combine(events, weights)[0] < y for events, y in samples])
+        new_row_weight = np.where(under, UNDER_WEIGHT, 1.0)
+        if peaks == assigned and np.array_equal(new_row_weight, row_weight):
             break
-        phases = assigned
-        active = [_active_terms(t, ph) for (t, _), ph in zip(samples, phases)]
-        a = np.array([[t.get(k, 0.0) / y if k in act else 0.0 for k in columns]
-                      for (t, y), act in zip(samples, active)])
-        b = np.array([1.0 - sum(w * t.get(k, 0.0) for k, w in fixed.items()) / y for t, y in samples])
+        assigned, row_weight = peaks, new_row_weight
+        rows = [events[name] for (events, _), name in zip(samples, assigned)]
+        a = np.array([[t.get(k, 0.0) / y for k in columns] for t, (_, y) in zip(rows, samples)])
+        b = np.array([1.0 - sum(w * t.get(k, 0.0) for k, w in fixed.items()) / y for t, (_, y) in zip(rows, samples)])
+        # under-predictions cost more than over-predictions (a pruned point that would have fit is
+        # lost to the search); a prior at the measured counts: a weight moves only as far as the
+        # points insist
+        a, b = a * row_weight[:, None], b * row_weight
+        a = np.vstack([a, PRIOR * np.eye(len(columns))])
+        b = np.concatenate([b, PRIOR * np.array([DEFAULT_WEIGHTS[k] for k in columns])])
         x = nnls(a, b)
         weights.update({k: float(v) for k, v in zip(columns, x)})
-    predicted = np.array([combine(t, weights)[0] / y for t, y in samples])
+    predicted = np.array([combine(events, weights)[0] / y for events, y in samples])
     residual = np.abs(predicted - 1.0)
     uncertainty = max(MIN_UNCERTAINTY, float(residual.max()) * 1.25) if len(samples) else DEFAULT_UNCERTAINTY
     return Calibration(weights, uncertainty, len(samples), source)
+
+
+def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float]:
+    """Time-term weights from (time terms of a point, its measured step seconds) pairs, by
+    non-negative least squares on relative errors: what this device really achieves for this
+    model (small matrices, Python overhead, gloo) rather than its peak rates."""
+    if not samples:
+        return dict(DEFAULT_TIME_WEIGHTS)
+    a = np.array([[terms.get(k, 0.0) / y for k in TIME_TERMS] for terms, y in samples])
+    x = nnls(a, np.ones(len(samples)))
+    return {k: float(v) for k, v in zip(TIME_TERMS, x)}
 
 
 def _cache_path(device: str, family: str, dtype: str) -> Path:

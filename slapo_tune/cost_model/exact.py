@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from ..data import synthetic_batch
 from ..errors import SlapoTuneError
 from ..runtime import default_optimizer
-from ..template import Template, Workload
+from ..template import Template, Workload, accumulation
 from ._tracker import MemoryBreakdown, fake_friendly_optimizers, tracked_step
 
 
@@ -46,6 +47,19 @@ def _static_pipeline_warmup() -> Iterator[None]:
         schedules._PipelineSchedule._warmup_p2p = original
 
 
+def steady_state_workload(point: Mapping[str, Any], workload: Workload) -> Workload:
+    """The same workload with only as many micro-batches as it takes to reach the peak.
+
+    Without a pipeline, accumulating over more micro-batches repeats the second one's pattern (it
+    already runs with the gradients alive). Pipeline stages keep a receive buffer per micro-batch
+    for the whole step, so they run them all.
+    """
+    if point["pp"] > 1:
+        return workload
+    kept = min(accumulation(point, workload), 2)
+    return replace(workload, global_batch=kept * point["micro_batch"] * point["dp"])
+
+
 def stage_rank(point: Mapping[str, Any], stage: int) -> int:
     """A global rank holding pipeline ``stage`` (mesh order: pp, dp, tp)."""
     return stage * point["dp"] * point["tp"]
@@ -53,9 +67,11 @@ def stage_rank(point: Mapping[str, Any], stage: int) -> int:
 
 def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: Workload, *,
                  stages: list[int] | None = None, seed: int = 0,
-                 optimizer_factory=None) -> dict[int, MemoryBreakdown]:
+                 optimizer_factory=None, steady_state: bool = True) -> dict[int, MemoryBreakdown]:
     """Peak tensor memory per pipeline stage of ``point`` (one fake step per stage role).
 
+    With ``steady_state`` the step runs only the micro-batches that reach the peak (see
+    :func:`steady_state_workload`), which gives the same bytes in a fraction of the time.
     Runs in the calling process, which must not be part of a process group already.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -67,6 +83,7 @@ def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: W
     if dist.is_initialized():
         raise SlapoTuneError("exact_memory() runs its own fake process group; call it outside a distributed job")
     make_optimizer = optimizer_factory or default_optimizer
+    run_workload = steady_state_workload(point, workload) if steady_state else workload
     results: dict[int, MemoryBreakdown] = {}
     for stage in stages if stages is not None else range(point["pp"]):
         dist.init_process_group("fake", store=FakeStore(), rank=stage_rank(point, stage),
@@ -76,10 +93,12 @@ def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: W
             with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), \
                     _static_pipeline_warmup():
                 torch.manual_seed(seed)
-                run = realize(spec, template, point, workload, seed=seed, topology=topology)
+                run = realize(spec, template, point, run_workload, seed=seed, topology=topology)
                 optimizer = make_optimizer(run.stage.parameters())
                 config = run.stage.model.config
-                batch = synthetic_batch(config.vocab_size, workload.global_batch, workload.seq_len, seed)
+                # the whole global batch is alive in a real step, even if fewer micro-batches run
+                full = synthetic_batch(config.vocab_size, workload.global_batch, workload.seq_len, seed)
+                batch = {k: v[:run_workload.global_batch] for k, v in full.items()}
                 run.step.run(batch)  # the first step creates the optimizer state
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
