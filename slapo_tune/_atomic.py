@@ -8,6 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+_MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp's is 0600)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it over ``path``."""
     path = Path(path)
@@ -15,6 +24,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        with open(tmp, "rb+") as f:  # on disk before it replaces the old file: a crash keeps one of them
+            os.fsync(f.fileno())
+        os.chmod(tmp, _MODE)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

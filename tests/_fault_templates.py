@@ -44,3 +44,19 @@ class Hangs(_Faulty):
 class KilledMidStep(_Faulty):
     def fault(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_LEAKED: list = []
+
+
+class LeaksMemoryAndThreads(GPT2Template):
+    """Each rank keeps 256 MiB it never frees and starts a thread that never ends."""
+
+    def schedule(self, model, point, topology=None):
+        import threading
+
+        import torch
+
+        _LEAKED.append(torch.ones(64 * 2**20))  # touched, so resident
+        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+        return super().schedule(model, point, topology)

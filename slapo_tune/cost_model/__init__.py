@@ -45,7 +45,7 @@ class CostModel:
     def __init__(self, spec, template: Template, workload: Workload, device: Hardware,
                  calibration: Calibration | None = None, layout: ModelLayout | None = None):
         self.spec, self.template, self.workload, self.device = spec, template, workload, device
-        self.layout = layout or layout_of(spec.config(), template)
+        self.layout = layout or _layout(spec, template)
         self.dtype = workload.dtype
         self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.dtype) or Calibration()
 
@@ -115,6 +115,20 @@ class CostModel:
     def mfu(self, step_seconds: float, world_size: int) -> float:
         """Model FLOPs utilisation of a measured step time."""
         return model_flops_per_step(self.layout, self.workload) / (step_seconds * world_size * self.device.flops)
+
+
+def _layout(spec, template: Template) -> ModelLayout:
+    """A preset's shipped layout when it applies (no overrides, its own template), else measured."""
+    from search_spaces import template_for
+
+    from .cards import preset_card
+
+    config = spec.config()
+    if not spec.overrides and template is template_for(config):
+        card = preset_card(spec.name)
+        if card is not None:
+            return card[1]
+    return layout_of(config, template)
 
 
 def _fmt(n: float) -> str:

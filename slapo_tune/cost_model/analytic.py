@@ -15,13 +15,15 @@ the pipeline bubble: good enough to rank points.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._atomic import atomic_write_text
 from ..template import Template, Workload, accumulation
-from .hardware import Hardware
+from .hardware import Hardware, _cache_dir
 
 MEMORY_TERMS = (
     "weights",  # parameters held by the rank (sharded by tp, and by dp under zero=3)
@@ -113,18 +115,29 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
+LAYOUT_VERSION = 1  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config, template: Template) -> ModelLayout:
     """Measure a model from its config: which parameters sit in a block, before and after the
     blocks, and what a block keeps for its backward (:func:`activation_probe`). Only one- and
     two-block copies are built (meta device, fake tensors); blocks are alike. Cached per config."""
+    import torch
+
     from ..models import config_fingerprint
 
     key = (config_fingerprint(config), template.name, str(template.version))
-    if key not in _LAYOUTS:
-        _LAYOUTS[key] = _measure_layout(config, template)
-    return _LAYOUTS[key]
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
+    cache = _cache_dir() / (f"layout-v{LAYOUT_VERSION}-{key[0].removeprefix('sha256:')}-{key[1]}-{key[2]}"
+                            f"-torch{torch.__version__}.json")
+    try:
+        layout = ModelLayout(**json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
+        layout = _measure_layout(config, template)
+        atomic_write_text(cache, json.dumps(asdict(layout)))
+    _LAYOUTS[key] = layout
+    return layout
 
 
 def _measure_layout(config, template: Template) -> ModelLayout:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import SlapoTuneError, UsageError
 from ..space import Point, format_point, point_key
 from ._strategies import make_strategy, random_unknown
 
@@ -354,15 +354,23 @@ class Tuner:
                 for future in done:
                     trial, point, predicted = self._in_flight.pop(future)
                     self._tell_result(trial, point, future.result(), predicted)
+            if self.write:
+                from ._outputs import write_outputs
+
+                write_outputs(self, final=True)
+        except OSError as exc:  # the disk is full or the folder read-only: stop, keep what is recorded
+            self.runner.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+            where = exc.filename or self.config.out
+            raise SlapoTuneError(
+                f"stopped: cannot write {where} ({exc.strerror or exc}); the trials finished before are kept in "
+                "the study and the exported schedule is the last complete one; free space (or fix permissions) "
+                "and re-run the same command to resume") from None
         except BaseException:
             self.runner.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
-        if self.write:
-            from ._outputs import write_outputs
-
-            write_outputs(self)
         return self.summary(stop or "trials")
 
     def summary(self, stop: str) -> dict[str, Any]:

@@ -58,7 +58,14 @@ def best_trial(study):
     return best
 
 
-def write_outputs(tuner) -> None:
+REPORT_INTERVAL = 15.0  # seconds between report redraws while a study runs (plots cost ~1 s)
+
+
+def write_outputs(tuner, final: bool = False) -> None:
+    """Tables and the best schedule after every trial; the report (plots) at most every
+    ``REPORT_INTERVAL`` seconds, and always when ``final``."""
+    import time
+
     import pandas as pd
 
     out: Path = tuner.config.out
@@ -75,7 +82,10 @@ def write_outputs(tuner) -> None:
     best = best_trial(tuner.study)
     if best is not None:
         write_schedule(out / "best_schedule.json", schedule_of(tuner, best))
-    write_report(out, frame, tuner)
+    now = time.monotonic()
+    if final or now - getattr(tuner, "_report_written", -REPORT_INTERVAL) >= REPORT_INTERVAL:
+        write_report(out, frame, tuner)
+        tuner._report_written = now
 
 
 def schedule_of(tuner, trial) -> dict[str, Any]:

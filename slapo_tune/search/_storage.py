@@ -3,7 +3,11 @@ Optuna RDB URL (SQLite, PostgreSQL for a team's shared study). Passwords in URLs
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import sys
+import time
 from pathlib import Path
 
 from ..errors import UsageError
@@ -30,6 +34,41 @@ def check_storage(url: str | None) -> None:
     open_storage(url, Path("."))
 
 
+def repair_journal(path: Path) -> str | None:
+    """Cut a damaged last record off a journal (a write cut short by a crash or a full disk), so
+    that new records start on a line of their own; the bytes cut are kept beside it. Returns what
+    was done, or None when the journal was sound."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size == 0:
+        return None
+    with open(path, "rb") as f:
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    complete = tail.endswith(b"\n")
+    last_start = tail.rstrip(b"\n").rfind(b"\n") + 1
+    last = tail[last_start:]
+    if complete:
+        try:
+            json.loads(last)
+            return None
+        except ValueError:
+            pass
+    if last_start == 0 and size > len(tail):  # a last record over 1 MiB: not ours to judge
+        return None
+    cut_at = size - len(tail) + last_start
+    backup = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+    backup.write_bytes(last)
+    with open(path, "r+b") as f:
+        f.truncate(cut_at)
+        f.flush()
+        os.fsync(f.fileno())
+    return (f"the last record of {path} was damaged ({len(last)} bytes, kept in {backup.name}) and was "
+            "removed; the trials before it are intact")
+
+
 def open_storage(url: str | None, out: Path):
     """An Optuna storage for ``url`` (None: ``OUT/study.journal``; ``memory``: nothing kept, for
     replays); UsageError if unusable."""
@@ -43,6 +82,9 @@ def open_storage(url: str | None, out: Path):
         path = Path(url.removeprefix("journal:")) if url else out / JOURNAL_NAME
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            repaired = repair_journal(path)
+            if repaired:
+                print(f"slapo-tune: warning: {repaired}", file=sys.stderr)
             return JournalStorage(JournalFileBackend(str(path)))
         except OSError as exc:
             raise UsageError(f"cannot use the study journal {path}: {exc.strerror or exc}") from None
