@@ -1,0 +1,172 @@
+"""``python -m benchmarks [--quick]`` (``make bench``): every headline figure in one run, written to
+``results/benchmarks/REPORT.md`` with its plots.
+
+Sections: tuned vs out of the box (:mod:`benchmarks.headline`), search efficiency on the recorded
+grid (:mod:`benchmarks.search_strategies`), cost-model accuracy
+(:mod:`benchmarks.cost_model_accuracy`; the full 60-point grid alone takes about 50 minutes on 2
+cores, so this run measures a smaller seeded sample unless ``--full-accuracy``), and overheads
+(schedule language, pipeline, runners, the driver at 1,000 trials). ``--quick`` is a smoke run of
+every section (under 10 minutes), not the reported figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+
+from benchmarks._stats import results_dir
+
+
+def _progress(done: int, total: int, started: float, label: str) -> None:
+    width = 24
+    filled = int(width * done / total)
+    elapsed = time.monotonic() - started
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed / 60:5.1f} min  {label:<60}",
+          end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+
+def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]]]:
+    """(title, module, argv) of every benchmark, in order."""
+    if quick:
+        return [
+            ("tuned vs out of the box", "headline", ["--quick"]),
+            ("search efficiency", "search_strategies", ["--seeds", "3"]),
+            ("cost-model accuracy", "cost_model_accuracy", ["--points-per-world", "1", "--calibration-per-world", "1"]),
+            ("schedule-language overhead", "schedule_overhead", ["--steps", "5"]),
+            ("runner overhead", "runner_overhead", ["--repeats", "1", "--worlds", "2"]),
+            ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
+        ]
+    accuracy = [] if full_accuracy else ["--points-per-world", "4", "--calibration-per-world", "2"]
+    return [
+        ("tuned vs out of the box", "headline", []),
+        ("search efficiency", "search_strategies", []),
+        ("cost-model accuracy", "cost_model_accuracy", accuracy),
+        ("schedule-language overhead", "schedule_overhead", ["--steps", "20"]),
+        ("pipeline overhead", "pipeline_overhead", ["--steps", "10"]),
+        ("runner overhead", "runner_overhead", ["--repeats", "3"]),
+        ("driver overhead", "driver_overhead", []),
+    ]
+
+
+def _load(name: str) -> dict | None:
+    try:
+        return json.loads((results_dir() / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.2f} %"
+
+
+def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> str:
+    lines = [f"# slapo-tune benchmark report ({mode})", "",
+             f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} on this machine "
+             "(CPU, gloo); every ratio was measured side by side in the same run, alternating the variants.", ""]
+    for name, error in failures.items():
+        lines += [f"**{name} failed:** `{error}`", ""]
+    head = _load("headline")
+    if head:
+        lines += ["## Tuned vs out of the box", "",
+                  "| workload | tuned point | samples/s | vs out of the box | vs default made to fit | trials |",
+                  "|---|---|---|---|---|---|"]
+        for label, e in head.items():
+            if "error" in e:
+                lines.append(f"| {label} | {e['error']} | | | | |")
+                continue
+            cells = []
+            for baseline in ("out of the box", "default made to fit"):
+                c = e["comparisons"][baseline]
+                cells.append(f"{c['speedup']:.2f}x (per round {c['per_round_median']:.2f}, "
+                             f"p25 {c['per_round_p25']:.2f}, p75 {c['per_round_p75']:.2f})")
+            lines.append(f"| {label} | `{e['points']['tuned']}` | {e['tuned']['samples_per_s']:.1f} | {cells[0]} | "
+                         f"{cells[1]} | {e['trials']} |")
+        lines += ["", "Baselines: " + "; ".join(f"{k}: `{v}`" for k, v in next(
+            (e for e in head.values() if "points" in e), {"points": {}})["points"].items() if k != "tuned"), ""]
+    search = _load("search_strategies")
+    if search:
+        lines += ["## Search efficiency (recorded grid, replayed)", "",
+                  f"{search['points']} measured points, {search['feasible']} feasible under the budget; target: "
+                  f"within 3 % of the optimum in at most {search['limit']} trials (20 % of the feasible points).", "",
+                  "| strategy | trials to 3 % (median) | runs | within the limit |", "|---|---|---|---|"]
+        for name, s in search["strategies"].items():
+            lines.append(f"| {name} | {s['median']} | {s['runs']} | {s['within_limit']} |")
+        lines.append("")
+    acc = _load("cost_model_accuracy")
+    if acc:
+        s = acc["summary"]
+        lines += ["## Cost-model accuracy", "",
+                  f"{s['points']} points ({s['stage_rows']} stage rows), predicted vs measured peak tensor memory per rank:", "",
+                  "| mode | median abs error | max abs error | worst under-prediction |", "|---|---|---|---|"]
+        for mode in ("exact", "analytic", "analytic_uncalibrated"):
+            m = s[mode]
+            lines.append(f"| {mode} | {_pct(m['median'])} | {_pct(m['max'])} | {_pct(min(0.0, m['min_signed']))} |")
+        lines += ["", f"Time ranking: Spearman {s['time_spearman_all']:.3f} over all points; per model "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model"].items())
+                  + f". Exact mode costs {s['exact_seconds_median']:.1f} s per point vs {s['trial_seconds_median']:.1f} s"
+                  " for a measured point.", "", "![memory](cost_model_memory.png)", ""]
+    lines += ["## Overheads", ""]
+    sched = _load("schedule_overhead")
+    if sched:
+        for key, label in (("no_primitives", "schedule with no primitives / plain model"),
+                           ("tp_vs_dtensor", "tensor-parallel block, ours / DTensor")):
+            r = sched[key]
+            lines.append(f"- {label}: {r['ratio_of_medians']:.3f} (per step median {r['per_round_median']:.3f}, "
+                         f"p25 {r['per_round_p25']:.3f}, p75 {r['per_round_p75']:.3f})")
+    pipe = _load("pipeline_overhead")
+    if pipe:
+        lines.append(f"- pipeline, ours / hand-written torch.distributed.pipelining: {pipe['ratio_of_medians']:.3f} "
+                     f"(per step median {pipe['per_round_median']:.3f}, p25 {pipe['per_round_p25']:.3f}, "
+                     f"p75 {pipe['per_round_p75']:.3f})")
+    runner = _load("runner_overhead")
+    if runner:
+        for world, r in runner.items():
+            if isinstance(r, dict) and "local" in r:
+                lines.append(f"- runner overhead {world}: local {r['local']['overhead_median']:.2f} s, Ray "
+                             f"{r['ray']['overhead_median']:.2f} s per trial (Ray / local {r['ray_over_local']:.2f})")
+    driver = _load("driver_overhead")
+    if driver:
+        for strategy, r in driver["results"].items():
+            lines.append(f"- driver at {driver['trials']} trials ({strategy}): "
+                         f"{r['seconds_per_launched_trial'] * 1e3:.1f} ms per trial")
+    lines += ["", "## Run", "", "| section | minutes |", "|---|---|"]
+    lines += [f"| {k} | {v / 60:.1f} |" for k, v in seconds.items()]
+    lines += [f"| total | {sum(seconds.values()) / 60:.1f} |", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import importlib
+
+    from slapo_tune._atomic import atomic_write_text
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every section (under 10 minutes)")
+    parser.add_argument("--full-accuracy", action="store_true", help="the cost-model issue's full 60-point grid")
+    parser.add_argument("--only", default=None, help="comma-separated modules to run (the report uses all results)")
+    args = parser.parse_args(argv)
+    plan = sections(args.quick, args.full_accuracy)
+    if args.only:
+        plan = [s for s in plan if s[1] in args.only.split(",")]
+    started = time.monotonic()
+    seconds, failures = {}, {}
+    for i, (title, module, module_args) in enumerate(plan):
+        _progress(i, len(plan), started, title)
+        t0 = time.monotonic()
+        try:
+            importlib.import_module(f"benchmarks.{module}").main(module_args)
+        except Exception as exc:  # noqa: BLE001 - one failed section must not lose the others
+            failures[title] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        seconds[title] = time.monotonic() - t0
+    _progress(len(plan), len(plan), started, "report")
+    path = results_dir() / "REPORT.md"
+    atomic_write_text(path, report("quick" if args.quick else "full", seconds, failures))
+    print(f"wrote {path} in {(time.monotonic() - started) / 60:.1f} min")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

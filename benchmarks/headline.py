@@ -1,0 +1,168 @@
+"""Tuned vs out of the box: how much faster the tuned schedule trains than what users run without
+a tuner, on the CPU reference workloads, measured side by side in one run.
+
+Per workload: ``slapo-tune``'s tuner (cost-model ranking, exact pruning, real trials on local
+ranks) picks a schedule; it is then measured in one launch next to two baselines, alternating the
+three step by step:
+
+- *out of the box*: full activation checkpointing, micro-batch 1, pure data parallelism (Slapo's
+  baselines: what DeepSpeed/Megatron users start from);
+- *default made to fit*: the same with the largest micro-batch whose predicted peak fits the budget.
+
+Run: ``python -m benchmarks.headline [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from benchmarks._stats import median_iqr, save_json  # noqa: E402
+
+MiB = 2**20
+GPT2_REF = ("gpt2", {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192})
+LLAMA_REF = ("llama-tiny", {"num_hidden_layers": 6, "hidden_size": 384, "num_attention_heads": 6,
+                            "num_key_value_heads": 2, "intermediate_size": 1024, "vocab_size": 8192})
+WORKLOADS = {  # label: (model, world size)
+    "gpt2-ref w1": (GPT2_REF, 1),
+    "gpt2-ref w2": (GPT2_REF, 2),
+    "llama-ref w4": (LLAMA_REF, 4),
+}
+GLOBAL_BATCH, SEQ, BUDGET = 16, 128, 400 * MiB
+
+
+def baselines(space, cost, budget: int) -> dict[str, dict]:
+    """The out-of-the-box point and the default made to fit (largest micro-batch that fits)."""
+    plain = {"tp": 1, "pp": 1, "ckpt_ratio": 1.0}
+    out_of_box = space.complete({**plain, "micro_batch": 1})
+    fitting = [p for p in space.enumerate(plain) if p["ckpt_ratio"] == 1.0
+               and {k: p[k] for k in ("zero", "attn", "fuse")} == {k: out_of_box[k] for k in ("zero", "attn", "fuse")}
+               and cost.verdict(p, budget, exact=True).fits]
+    made_to_fit = max(fitting, key=lambda p: p["micro_batch"]) if fitting else out_of_box
+    return {"out of the box": out_of_box, "default made to fit": made_to_fit}
+
+
+def tune(model: tuple, world: int, trials: int, out: Path) -> dict:
+    from runners import LocalRunner
+    from slapo_tune.search import TuneConfig, Tuner
+
+    config = TuneConfig(model=model[0], model_overrides=dict(model[1]), world_size=world, memory_budget=BUDGET,
+                        out=out, global_batch=GLOBAL_BATCH, seq_len=SEQ, trials=trials, strategy="model",
+                        prune="exact", seed=0)
+    runner = LocalRunner()
+    try:
+        tuner = Tuner(config, runner)
+        started = time.monotonic()
+        summary = tuner.run()
+        summary["wall_seconds"] = time.monotonic() - started
+    finally:
+        runner.close()
+    return {"summary": summary, "tuner": tuner}
+
+
+def side_by_side_rank(ctx, spec, template_name: str, points: dict, workload, rounds: int, warmup: int) -> dict:
+    """All points realised on these ranks; one optimizer step of each per round, in turn."""
+    import torch.distributed as dist
+
+    from search_spaces import load_template
+    from slapo_tune.data import synthetic_batch
+    from slapo_tune.realize import realize
+    from slapo_tune.runtime import default_optimizer
+
+    template = load_template(template_name)
+    runs = {}
+    for name, point in points.items():
+        run = realize(spec, template, point, workload, seed=0)
+        runs[name] = (run, default_optimizer(run.stage.parameters()))
+    batch = synthetic_batch(runs[next(iter(runs))][0].stage.model.config.vocab_size, workload.global_batch,
+                            workload.seq_len)
+    times = {name: [] for name in points}
+    for i in range(warmup + rounds):
+        for name, (run, optimizer) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run.step(batch)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def measure(model: tuple, world: int, points: dict, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    from search_spaces import template_for
+    from slapo_tune.launch import launch
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.template import Workload
+
+    spec = ModelSpec(model[0], dict(model[1]))
+    template = template_for(spec.config())
+    return launch(side_by_side_rank, world, args=(spec, template.name, points, Workload(world, GLOBAL_BATCH, SEQ),
+                                                  rounds, warmup), timeout=3600)[0]
+
+
+def run(labels: list[str], trials: int, rounds: int, progress=print) -> dict:
+    from slapo_tune.space import format_point
+
+    results = {}
+    for label in labels:
+        model, world = WORKLOADS[label]
+        progress(f"headline {label}: tuning ({trials} trials)")
+        with tempfile.TemporaryDirectory() as tmp:
+            tuned = tune(model, world, trials, Path(tmp) / label.replace(" ", "-"))
+        tuner, summary = tuned["tuner"], tuned["summary"]
+        if summary["best_point"] is None:
+            results[label] = {"error": "no trial succeeded"}
+            continue
+        points = {"tuned": summary["best_point"], **baselines(tuner.space, tuner.cost, BUDGET)}
+        progress(f"headline {label}: measuring tuned vs baselines side by side ({rounds} rounds)")
+        times = measure(model, world, points, rounds)
+        entry = {"points": {k: format_point(p) for k, p in points.items()}, "trials": summary["launched"],
+                 "pruned": summary["pruned"], "tuning_seconds": summary["wall_seconds"], "comparisons": {}}
+        for name, values in times.items():
+            med, lo, hi = median_iqr(values)
+            entry[name] = {"step_median": med, "step_p25": lo, "step_p75": hi,
+                           "samples_per_s": GLOBAL_BATCH / med}
+        for baseline in ("out of the box", "default made to fit"):
+            per_round = [b / t for t, b in zip(times["tuned"], times[baseline])]
+            med, lo, hi = median_iqr(per_round)
+            entry["comparisons"][baseline] = {
+                "speedup": statistics.median(times[baseline]) / statistics.median(times["tuned"]),
+                "per_round_median": med, "per_round_p25": lo, "per_round_p75": hi}
+        results[label] = entry
+    return results
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="GPT-2 workloads only, fewer trials and rounds")
+    parser.add_argument("--trials", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args(argv)
+    labels = ["gpt2-ref w1", "gpt2-ref w2"] if args.quick else list(WORKLOADS)
+    trials = args.trials or (4 if args.quick else 10)
+    rounds = args.rounds or (3 if args.quick else 7)
+    results = run(labels, trials, rounds)
+    save_json("headline", results)
+    for label, entry in results.items():
+        if "error" in entry:
+            print(f"{label}: {entry['error']}")
+            continue
+        print(f"{label}: tuned {entry['points']['tuned']} ({entry['tuned']['samples_per_s']:.1f} samples/s, "
+              f"{entry['trials']} trials)")
+        for baseline, c in entry["comparisons"].items():
+            print(f"  vs {baseline} ({entry['points'][baseline]}): {c['speedup']:.2f}x "
+                  f"(per round median {c['per_round_median']:.2f}, p25 {c['per_round_p25']:.2f}, "
+                  f"p75 {c['per_round_p75']:.2f})")
+    return results
+
+
+if __name__ == "__main__":
+    main()
