@@ -116,6 +116,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, stage: torch.nn.Module, 
         "optimizer": {names[p]: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                       for p, s in optimizer.state.items()},
         "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
     }
     tmp = folder / f".rank-{rank:05d}.pt.tmp"
     torch.save(state, tmp)
@@ -169,6 +170,8 @@ def load_checkpoint(folder: Path, stage: torch.nn.Module, optimizer: torch.optim
                     restored[k] = v.clone() if torch.is_tensor(v) else v
             optimizer.state[p] = restored
     torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
     return meta
 
 
