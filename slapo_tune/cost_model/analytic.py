@@ -53,7 +53,10 @@ def combine(events: Mapping[str, Mapping[str, float]], weights: Mapping[str, flo
     """Peak bytes of a stage: the largest weighted sum over its events, and that event."""
     best, name = -1.0, ""
     for event, terms in events.items():
-        value = sum(weights[k] * v for k, v in terms.items())
+        value = 0.0
+        for k, v in terms.items():  # a plain loop: plan evaluates ~60k events for a 70B model
+            if v:
+                value += weights[k] * v
         if value > best:
             best, name = value, event
     return best, name
@@ -319,6 +322,17 @@ def checkpointed_per_stage(ratio: float, total_layers: int, pp: int) -> tuple[in
     return tuple(sum(1 for i in chosen if s * per_stage <= i < (s + 1) * per_stage) for s in range(pp))
 
 
+@functools.lru_cache(maxsize=4096)
+def last_checkpointed(ratio: float, total_layers: int, pp: int) -> tuple[int, ...]:
+    """Per stage, the position (within the stage) of its last checkpointed block, or -1."""
+    from ..parallelize import checkpointed_indices
+
+    chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
+    per_stage = total_layers // pp
+    return tuple(max((i - s * per_stage for i in chosen if s * per_stage <= i < (s + 1) * per_stage), default=-1)
+                 for s in range(pp))
+
+
 def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
     """The most checkpointed blocks on any stage (the recomputation the slowest stage does)."""
     return max(checkpointed_per_stage(ratio, total_layers, pp))
@@ -340,6 +354,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     m = accumulation(point, workload)
     per_stage = layout.layers // pp
     ckpt_per_stage = checkpointed_per_stage(point["ckpt_ratio"], layout.layers, pp)
+    last_ckpt = last_checkpointed(point["ckpt_ratio"], layout.layers, pp)
     sharded = point["zero"] == 3 and dp > 1
     zero_div = dp if sharded else 1
     q = layout.heads * layout.head_dim
@@ -405,6 +420,14 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             "forward": {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh},
         }
         recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
+        # The backward walks the blocks last to first, freeing each one's activations: when the
+        # last checkpointed block is rebuilt, only the full blocks before it still hold theirs,
+        # and the gradients of the blocks after it (and of the head) exist.
+        position = last_ckpt[stage]
+        full_before = max(0, position) - sum(1 for i in _ckpt_positions(point, layout, stage) if i < position)
+        after = per_stage - 1 - position if position >= 0 else 0
+        grads_after = min(1.0, (after * block + (ends if last else 0.0)) / params) if params else 1.0
+        rebuilt = {k: v * (full_before / full if full else 0.0) for k, v in per_mb.items() if k != "act_checkpointed"}
         # the first backward runs with the most micro-batches in flight but no gradients yet; later
         # ones with gradients (accumulating) beside fewer micro-batches
         for suffix, flight, logits_flight, grads_alive in (("_first", fresh, logits_fresh, {}),
@@ -413,9 +436,13 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             # the loss of a micro-batch: its logits' gradient (and a temporary) beside the logits
             events["loss" + suffix] = {**base, **grads_alive, **acts, "logits": logits_1 * logits_flight,
                                        "logits_grad": logits_1}
-            # a checkpointed block rebuilt; without accumulation the gradients appear only now
-            events["backward" + suffix] = {**base, **grads_alive, **acts, "logits": logits_1 * logits_flight,
-                                           "recompute": recompute, "gradients_single": grads if m == 1 else 0.0}
+            if ckpt:
+                # the last checkpointed block rebuilt, beside the other micro-batches in flight
+                current = {k: v * (flight - 1) + rebuilt.get(k, 0.0) for k, v in per_mb.items()}
+                current["act_checkpointed"] = per_mb["act_checkpointed"] * flight
+                events["backward" + suffix] = {**base, **grads_alive, **current,
+                                               "logits": logits_1 * (logits_flight - 1), "recompute": recompute,
+                                               "gradients_single": grads * grads_after if m == 1 else 0.0}
         events.update({
             # replicated data parallelism averages the gradients through flat buckets
             "gradient_sync": {**base, "gradients": grads if m > 1 else 0.0,
@@ -425,12 +452,25 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             "optimizer": {**base, "gradients": grads if m > 1 else 0.0, "gradients_single": grads if m == 1 else 0.0,
                           "optimizer_temp": largest / zero_div * P},
         })
-        terms: dict[str, float] = {}
-        for event in events.values():
-            for k, v in event.items():
-                terms[k] = max(terms.get(k, 0.0), v)
+        # each term at its largest (the breakdown of a stage, and what tests check in closed form)
+        terms = {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
+                 "logits_grad": logits_1, "recompute": recompute, **events["optimizer"], **accumulated,
+                 "gradients_single": grads if m == 1 else 0.0, **events["gradient_sync"]}
         out.append(StageTerms(stage, terms, int(params / zero_div), events))
     return out
+
+
+def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -> frozenset[int]:
+    return _stage_ckpt_positions(point["ckpt_ratio"], layout.layers, point["pp"], stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int) -> frozenset[int]:
+    from ..parallelize import checkpointed_indices
+
+    per_stage = total_layers // pp
+    return frozenset(i - stage * per_stage for i in checkpointed_indices(total_layers, ratio, "uniform")
+                     if stage * per_stage <= i < (stage + 1) * per_stage)
 
 
 @dataclass
@@ -461,9 +501,10 @@ def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Work
                    uncertainty: float = DEFAULT_UNCERTAINTY) -> MemoryPrediction:
     w = {**DEFAULT_WEIGHTS, **(weights or {})}
     stages = memory_terms(layout, point, workload)
-    totals = [combine(st.events, w)[0] for st in stages]
+    peaks = [combine(st.events, w) for st in stages]
+    totals = [total for total, _ in peaks]
     worst = max(range(len(totals)), key=totals.__getitem__)
-    _, event = combine(stages[worst].events, w)
+    event = peaks[worst][1]
     breakdown = {k: int(w[k] * v) for k, v in stages[worst].events[event].items() if v}
     return MemoryPrediction([int(t) for t in totals], breakdown, uncertainty, stages[worst].params, worst)
 
