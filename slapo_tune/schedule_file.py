@@ -97,8 +97,10 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
         if not isinstance(value, (int, float, str)) or isinstance(value, bool):
             raise UsageError(f"{where}: knob {key} has a non-scalar value {value!r}")
     for name, limit in _LIMITS.items():
-        if not 1 <= data[name] <= limit:
-            raise UsageError(f"{where}: {name} must be between 1 and {limit}, got {data[name]}")
+        if data[name] < 1:
+            raise UsageError(f"{where}: {name} must be positive, got {data[name]}")
+        if data[name] > limit:
+            raise UsageError(f"{where}: {name} must be at most {limit}, got {data[name]}")
     return data
 
 
