@@ -132,7 +132,7 @@ def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_ch
 
     runner = LocalRunner()
     try:
-        leaky = runner.run(spec("tests._fault_templates:LeaksMemoryAndThreads", "leaky"))
+        leaky = runner.run(spec("_fault_templates:LeaksMemoryAndThreads", "leaky"))
         clean = runner.run(spec("gpt2", "clean"))
     finally:
         runner.close()
