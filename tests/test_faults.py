@@ -122,6 +122,7 @@ def test_full_disk_stops_with_one_line_and_loses_nothing(tmp_path):
     _schedule_is_whole(out)
 
 
+@pytest.mark.slow  # two 256 MiB ranks: timed out once on a loaded 2-core CI run (passes alone in ~20 s)
 def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_children):
     from runners import LocalRunner
     from runners.trial import TrialSpec
