@@ -52,6 +52,17 @@ def _sample(space, n, seed, exclude=()):
     return random.Random(seed).sample(points, min(n, len(points)))
 
 
+def _points(label: str, template, config, world: int, points_per_world: int, calibration_per_world: int):
+    """(workload, evaluated points, calibration points disjoint from them) of one model and world:
+    seeded, so a rescore sees exactly the points of the run it re-predicts."""
+    from slapo_tune.template import ModelInfo, Workload
+
+    workload = Workload(world, GLOBAL_BATCH, SEQ)
+    space = template.space(ModelInfo.from_config(config), workload)
+    evaluated = _sample(space, points_per_world, f"{label}-{world}-eval")
+    return workload, evaluated, _sample(space, calibration_per_world, f"{label}-{world}-cal", evaluated)
+
+
 def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), timed_steps: int = 3) -> dict:
     from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
@@ -59,7 +70,7 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
     from slapo_tune.launch import launch
     from slapo_tune.realize import ModelSpec
     from slapo_tune.space import format_point
-    from slapo_tune.template import ModelInfo, Workload
+    from slapo_tune.template import Workload
 
     device = hardware("cpu")
     rows, summary = [], {}
@@ -69,11 +80,9 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
         template = template_for(config)
         calibration_points, evaluated = [], {}
         for world in worlds:
-            workload = Workload(world, GLOBAL_BATCH, SEQ)
-            space = template.space(ModelInfo.from_config(config), workload)
-            evaluated[world] = _sample(space, points_per_world, f"{label}-{world}-eval")
-            calibration_points.append((world, _sample(space, calibration_per_world, f"{label}-{world}-cal",
-                                                      evaluated[world])))
+            _, evaluated[world], calibration = _points(label, template, config, world, points_per_world,
+                                                       calibration_per_world)
+            calibration_points.append((world, calibration))
         # calibrate the analytic weights on exact points disjoint from the evaluated ones
         samples_points, samples_peaks = [], []
         t0 = time.perf_counter()
@@ -154,7 +163,7 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
     from slapo_tune.cost_model.analytic import memory_terms
     from slapo_tune.realize import ModelSpec
     from slapo_tune.space import format_point
-    from slapo_tune.template import ModelInfo, Workload
+    from slapo_tune.template import Workload
 
     out = results_dir()
     with open(out / "cost_model_points.csv") as f:
@@ -169,11 +178,10 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
         fit_samples, evaluated = [], {}
         t0 = time.perf_counter()
         for world in worlds:
-            workload = Workload(world, GLOBAL_BATCH, SEQ)
-            space = template.space(ModelInfo.from_config(config), workload)
-            evaluated[world] = _sample(space, points_per_world, f"{label}-{world}-eval")
+            workload, evaluated[world], calibration = _points(label, template, config, world, points_per_world,
+                                                              calibration_per_world)
             model = CostModel(spec, template, workload, device)
-            for p in _sample(space, calibration_per_world, f"{label}-{world}-cal", evaluated[world]):
+            for p in calibration:
                 peaks = {s: b.total for s, b in model.exact(p).items()}
                 fit_samples += [(st.events, peaks[st.stage]) for st in memory_terms(model.layout, p, workload)]
         calibration = cal.fit(fit_samples)
