@@ -67,7 +67,10 @@ def test_llama70b_model_states_match_the_closed_form(tp, pp, dp, zero):
     point = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=512 // dp, ckpt_ratio=1.0,
                  pipeline_schedule="gpipe" if pp > 1 else "1f1b", attn="sdpa", fuse="off")
     for st in memory_terms(model.layout, point, workload):
-        states = st.terms["weights"] + st.terms["gradients"] + st.terms["gradients_single"] + st.terms["optimizer"]
+        # model states as ZeRO counts them: at the optimizer step, when gradients are reduced (a
+        # zero=3 rank holds whole gradients only until the step's reduce-scatter)
+        at_step = st.events["optimizer"]
+        states = sum(at_step.get(k, 0.0) for k in ("weights", "gradients", "gradients_single", "optimizer"))
         params = _closed_form_llama_params(st.stage, pp, tp)
         expected = 16 * params / (dp if zero == 3 else 1)  # Megatron split, then ZeRO-3: 16 P / N_d
         assert states == pytest.approx(expected, rel=1e-9), st.stage
@@ -152,3 +155,39 @@ def test_plan_one_point_prints_its_breakdown(capsys):
                  "--knobs", "tp=2,pp=2,ckpt_ratio=0.5"])
     out = capsys.readouterr().out
     assert code == 0 and "1 point(s)" in out and "tp=2,pp=2,dp=2" in out and "weights" in out
+
+
+def _reduce_scatter_peak(ctx=None) -> int:
+    """Peak tensor bytes of one reduce-scatter of a 1 MiB input over this process group."""
+    import torch
+    import torch.distributed as dist
+
+    from slapo_tune.cost_model._tracker import PeakTracker
+
+    tracker = PeakTracker()
+    with tracker:
+        source = torch.ones(2**18)
+        output = torch.empty(2**17)
+        dist.reduce_scatter_single(output, source)
+    return tracker.peak
+
+
+def test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter(no_leftover_children):
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from slapo_tune.cost_model.exact import _backend_temporaries
+
+    real = launch(_reduce_scatter_peak, 2, backend="gloo", timeout=120)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        fake = {}
+        for backend in ("gloo", "nccl"):
+            with FakeTensorMode(), _backend_temporaries(backend):
+                fake[backend] = _reduce_scatter_peak()
+    finally:
+        dist.destroy_process_group()
+    # input 1 MiB + output 0.5 MiB, and gloo's full-size copy of the input (no reduce-scatter of its own)
+    assert fake["nccl"] == 3 * 2**19
+    assert real == [fake["gloo"]] * 2 == [5 * 2**19] * 2

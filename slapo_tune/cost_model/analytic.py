@@ -38,6 +38,7 @@ MEMORY_TERMS = (
     "act_fused",  # extra per-token tensors of decomposed / fused layers (fuse=on)
     "act_checkpointed",  # inputs of checkpointed blocks
     "recompute",  # one block's activations rebuilt during its backward
+    "backward_temp",  # a block's backward temporaries: MLP-wide gradients
     "logits",  # logits and the loss's softmax saved per micro-batch in flight (last stage)
     "logits_grad",  # the gradient of one micro-batch's logits (last stage, loss phase)
     "pp_recv",  # pipeline receive buffers, one per micro-batch (stages after the first)
@@ -77,6 +78,7 @@ DEFAULT_WEIGHTS = {
     "act_fused": 1.0,
     "act_checkpointed": 1.0,
     "recompute": 1.0,
+    "backward_temp": 2.0,
     "logits": 2.0,
     "logits_grad": 2.0,
     "pp_recv": 1.0,
@@ -322,17 +324,6 @@ def checkpointed_per_stage(ratio: float, total_layers: int, pp: int) -> tuple[in
     return tuple(sum(1 for i in chosen if s * per_stage <= i < (s + 1) * per_stage) for s in range(pp))
 
 
-@functools.lru_cache(maxsize=4096)
-def last_checkpointed(ratio: float, total_layers: int, pp: int) -> tuple[int, ...]:
-    """Per stage, the position (within the stage) of its last checkpointed block, or -1."""
-    from ..parallelize import checkpointed_indices
-
-    chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
-    per_stage = total_layers // pp
-    return tuple(max((i - s * per_stage for i in chosen if s * per_stage <= i < (s + 1) * per_stage), default=-1)
-                 for s in range(pp))
-
-
 def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
     """The most checkpointed blocks on any stage (the recomputation the slowest stage does)."""
     return max(checkpointed_per_stage(ratio, total_layers, pp))
@@ -354,7 +345,6 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     m = accumulation(point, workload)
     per_stage = layout.layers // pp
     ckpt_per_stage = checkpointed_per_stage(point["ckpt_ratio"], layout.layers, pp)
-    last_ckpt = last_checkpointed(point["ckpt_ratio"], layout.layers, pp)
     sharded = point["zero"] == 3 and dp > 1
     zero_div = dp if sharded else 1
     q = layout.heads * layout.head_dim
@@ -380,6 +370,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     score_bytes = layout.score_bytes.get(point["attn"], 8.0 if point["attn"] == "eager" else 0.0)
     scores_1 = b * (layout.heads / tp) * s * s * score_bytes * scale
     fused_1 = tokens * fused_extra / tp * scale
+    temp_1 = tokens * layout.intermediate / tp * B  # one MLP-wide gradient, alive in a block's backward
     hidden_1 = tokens * layout.hidden * B
     block = layout.block_sharded / tp + layout.block_replicated
     largest = max(layout.block_sharded / 4, layout.pre_sharded, layout.post_sharded) / tp
@@ -396,9 +387,15 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             if layout.tied_head and not first:
                 ends += layout.pre_sharded / tp  # the last stage's copy of the tied embedding
         params = per_stage * block + ends
-        # zero=3 reduce-scatters gradients only after the last micro-batch: until then they are whole
-        whole = params if (not sharded or m > 1) else 0.0
-        grads = (whole + (params / dp if sharded else 0.0)) * P
+        # The pipeline schedule runs every backward of a step without FSDP's gradient sync or
+        # resharding (torch.distributed.pipelining), then reduce-scatters once: until then, a
+        # zero=3 rank accumulates whole gradients, and the blocks it gathered in backward stay whole.
+        grads = params * P
+        grad_shards = params / dp * P if sharded else 0.0
+        # FSDP keeps the stage root (embeddings, head) gathered after forward; a block is gathered
+        # while it runs, next to the one prefetched
+        gathered_root = ends * P if sharded else 0.0
+        gathered_running = (2 * block + ends) * P if sharded else 0.0
         fresh, held = flights(point, stage, m)
         logits_fresh, logits_held = (fresh, held) if point["pipeline_schedule"] == "gpipe" and pp > 1 else (1, 1)
         per_mb = {
@@ -408,7 +405,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         base = {
             "weights": params / zero_div * P,
             "optimizer": params / zero_div * MOMENT_BYTES,
-            "gathered": (2 * block + ends) * P if sharded else 0.0,
+            "gathered": gathered_root,
             # torch's pipeline stages keep a receive buffer per micro-batch for the whole step
             "pp_recv": hidden_1 * m if not first else 0.0,
             "constant": 2**20,
@@ -417,17 +414,11 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         accumulated = {"gradients": grads if m > 1 else 0.0}
         events = {
             # the most micro-batches in flight, before this step's first backward: no gradients yet
-            "forward": {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh},
+            "forward": {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
+                        "gathered": gathered_running},
         }
         recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
-        # The backward walks the blocks last to first, freeing each one's activations: when the
-        # last checkpointed block is rebuilt, only the full blocks before it still hold theirs,
-        # and the gradients of the blocks after it (and of the head) exist.
-        position = last_ckpt[stage]
-        full_before = max(0, position) - sum(1 for i in _ckpt_positions(point, layout, stage) if i < position)
-        after = per_stage - 1 - position if position >= 0 else 0
-        grads_after = min(1.0, (after * block + (ends if last else 0.0)) / params) if params else 1.0
-        rebuilt = {k: v * (full_before / full if full else 0.0) for k, v in per_mb.items() if k != "act_checkpointed"}
+        positions = sorted(_ckpt_positions(point, layout, stage))
         # the first backward runs with the most micro-batches in flight but no gradients yet; later
         # ones with gradients (accumulating) beside fewer micro-batches
         for suffix, flight, logits_flight, grads_alive in (("_first", fresh, logits_fresh, {}),
@@ -436,28 +427,55 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             # the loss of a micro-batch: its logits' gradient (and a temporary) beside the logits
             events["loss" + suffix] = {**base, **grads_alive, **acts, "logits": logits_1 * logits_flight,
                                        "logits_grad": logits_1}
-            if ckpt:
-                # the last checkpointed block rebuilt, beside the other micro-batches in flight
-                current = {k: v * (flight - 1) + rebuilt.get(k, 0.0) for k, v in per_mb.items()}
-                current["act_checkpointed"] = per_mb["act_checkpointed"] * flight
-                events["backward" + suffix] = {**base, **grads_alive, **current,
-                                               "logits": logits_1 * (logits_flight - 1), "recompute": recompute,
-                                               "gradients_single": grads * grads_after if m == 1 else 0.0}
+            # the stage's backward starts: every activation alive, the block's gradient temporaries
+            # (and, under zero=3, the block gathered with the next one prefetched)
+            head_grads = (ends * P if last else 0.0)
+            events["backward_start" + suffix] = {
+                **base, **grads_alive, **acts, "logits": logits_1 * logits_flight, "backward_temp": temp_1,
+                "gathered": gathered_running, **_fresh_gradients(m, bool(grads_alive), head_grads)}
+            # The backward walks the blocks last to first, freeing each one's activations. A
+            # checkpointed block is rebuilt beside the full blocks before it and the gradients of
+            # the blocks after it: the last such block has the most activations beside it, the
+            # first the most gradients.
+            for name, position in (("backward", positions[-1] if positions else -1),
+                                   ("backward_early", positions[0] if positions else -1)):
+                if position < 0 or (name == "backward_early" and position == positions[-1]):
+                    continue
+                inputs_before = sum(1 for i in positions if i <= position)
+                full_before = position + 1 - inputs_before
+                after_grads = (per_stage - 1 - position) * block * P + head_grads
+                current = {k: v * (flight - 1) + v * full_before / full if full else v * (flight - 1)
+                           for k, v in per_mb.items() if k != "act_checkpointed"}
+                current["act_checkpointed"] = hidden_1 * (ckpt * (flight - 1) + inputs_before)
+                events[name + suffix] = {**base, **grads_alive, **current, "logits": logits_1 * (logits_flight - 1),
+                                         "recompute": recompute, "backward_temp": temp_1,
+                                         "gathered": gathered_running,
+                                         **_fresh_gradients(m, bool(grads_alive), after_grads)}
         events.update({
-            # replicated data parallelism averages the gradients through flat buckets
-            "gradient_sync": {**base, "gradients": grads if m > 1 else 0.0,
+            # replicated data parallelism averages the gradients through flat buckets; zero=3
+            # reduce-scatters them block by block, every block still gathered from its backward
+            "gradient_sync": {**base, "gradients": grads + grad_shards if m > 1 else grad_shards,
                               "gradients_single": grads if m == 1 else 0.0,
+                              "gathered": params * P if sharded else 0.0,
                               "dp_buckets": min(grads, DP_BUCKET_BYTES) if dp > 1 and not sharded else 0.0},
-            # AdamW's temporaries, once activations are gone
-            "optimizer": {**base, "gradients": grads if m > 1 else 0.0, "gradients_single": grads if m == 1 else 0.0,
-                          "optimizer_temp": largest / zero_div * P},
+            # AdamW's temporaries, once activations are gone (and zero=3's whole gradients)
+            "optimizer": {**base, "optimizer_temp": largest / zero_div * P,
+                          **({"gradients": grad_shards} if sharded else
+                             {"gradients": grads if m > 1 else 0.0, "gradients_single": grads if m == 1 else 0.0})},
         })
         # each term at its largest (the breakdown of a stage, and what tests check in closed form)
         terms = {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
-                 "logits_grad": logits_1, "recompute": recompute, **events["optimizer"], **accumulated,
+                 "logits_grad": logits_1, "recompute": recompute, "backward_temp": temp_1, **events["optimizer"], **accumulated,
                  "gradients_single": grads if m == 1 else 0.0, **events["gradient_sync"]}
         out.append(StageTerms(stage, terms, int(params / zero_div), events))
     return out
+
+
+def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> dict[str, float]:
+    """Gradients created so far in this backward, when none were accumulated before it."""
+    if accumulated:
+        return {}
+    return {"gradients_single" if micro_batches == 1 else "gradients": nbytes}
 
 
 def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -> frozenset[int]:
