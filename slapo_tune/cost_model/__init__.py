@@ -59,7 +59,8 @@ class CostModel:
         """Exact peak per stage (one fake step per stage)."""
         from .exact import exact_memory
 
-        return exact_memory(self.spec, self.template, point, self.workload)
+        return exact_memory(self.spec, self.template, point, self.workload,
+                            backend="gloo" if self.device.cores else "nccl")
 
     def verdict(self, point: Mapping[str, Any], budget: int, exact: bool = False,
                 prediction: MemoryPrediction | None = None) -> Verdict:
