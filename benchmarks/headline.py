@@ -2,8 +2,8 @@
 a tuner, on the CPU reference workloads, measured side by side in one run.
 
 Per workload: ``slapo-tune``'s tuner (cost-model ranking, exact pruning, real trials on local
-ranks) picks a schedule; it is then measured in one launch next to two baselines, alternating the
-three step by step:
+ranks) picks a schedule; it is then measured in one launch next to two baselines (and, where the
+workload's exhaustive search was recorded, its fastest points), alternating them step by step:
 
 - *out of the box*: full activation checkpointing, micro-batch 1, pure data parallelism (Slapo's
   baselines: what DeepSpeed/Megatron users start from);
@@ -35,17 +35,34 @@ WORKLOADS = {  # label: (model, world size)
     "llama-ref w4": (LLAMA_REF, 4),
 }
 GLOBAL_BATCH, SEQ, BUDGET = 16, 128, 400 * MiB
+# the exhaustive search, recorded once (``python -m benchmarks.record_grid --reference``)
+EXHAUSTIVE = {"gpt2-ref w1": Path(__file__).with_name("data") / "gpt2_ref_w1.csv"}
+CONTENDERS = 3  # the recorded grid's fastest points, timed again beside the tuned one
 
 
 def baselines(space, cost, budget: int) -> dict[str, dict]:
     """The out-of-the-box point and the default made to fit (largest micro-batch that fits)."""
     plain = {"tp": 1, "pp": 1, "ckpt_ratio": 1.0}
     out_of_box = space.complete({**plain, "micro_batch": 1})
-    fitting = [p for p in space.enumerate(plain) if p["ckpt_ratio"] == 1.0
-               and {k: p[k] for k in ("zero", "attn", "fuse")} == {k: out_of_box[k] for k in ("zero", "attn", "fuse")}
+    same = ("tp", "pp", "dp", "zero", "ckpt_ratio", "pipeline_schedule", "attn", "fuse")
+    fitting = [p for p in space.enumerate() if all(p[k] == out_of_box[k] for k in same)
                and cost.verdict(p, budget, exact=True).fits]
     made_to_fit = max(fitting, key=lambda p: p["micro_batch"]) if fitting else out_of_box
     return {"out of the box": out_of_box, "default made to fit": made_to_fit}
+
+
+def exhaustive_best(label: str, space, count: int = CONTENDERS) -> list[dict]:
+    """The fastest points of the recorded exhaustive search of a workload (none if not recorded).
+    Recorded times come from another run: the contenders are timed again beside the tuned point."""
+    import csv
+
+    path = EXHAUSTIVE.get(label)
+    if path is None or not path.exists():
+        return []
+    by_key = {tuple(str(p[k]) for k in space.names): p for p in space.enumerate()}
+    with open(path) as f:
+        rows = sorted(csv.DictReader(f), key=lambda r: float(r["step_s"]))
+    return [by_key[key] for key in (tuple(r[k] for k in space.names) for r in rows[:count]) if key in by_key]
 
 
 def tune(model: tuple, world: int, trials: int, out: Path) -> dict:
@@ -122,6 +139,8 @@ def run(labels: list[str], trials: int, rounds: int, progress=print) -> dict:
             results[label] = {"error": "no trial succeeded"}
             continue
         points = {"tuned": summary["best_point"], **baselines(tuner.space, tuner.cost, BUDGET)}
+        contenders = [p for p in exhaustive_best(label, tuner.space) if p != summary["best_point"]]
+        points.update({f"exhaustive #{i + 1}": p for i, p in enumerate(contenders)})
         progress(f"headline {label}: measuring tuned vs baselines side by side ({rounds} rounds)")
         times = measure(model, world, points, rounds)
         entry = {"points": {k: format_point(p) for k, p in points.items()}, "trials": summary["launched"],
@@ -136,6 +155,16 @@ def run(labels: list[str], trials: int, rounds: int, progress=print) -> dict:
             entry["comparisons"][baseline] = {
                 "speedup": statistics.median(times[baseline]) / statistics.median(times["tuned"]),
                 "per_round_median": med, "per_round_p25": lo, "per_round_p75": hi}
+        if contenders:
+            # the exhaustive optimum: the fastest of the recorded grid's best points and the tuned
+            # one, all timed in this run
+            best = min(["tuned", *(k for k in times if k.startswith("exhaustive"))],
+                       key=lambda k: statistics.median(times[k]))
+            per_round = [b / t for t, b in zip(times["tuned"], times[best])]
+            entry["vs_optimum"] = {"optimum": best, "point": format_point(points[best]),
+                                   "ratio": statistics.median(times[best]) / statistics.median(times["tuned"]),
+                                   "per_round_median": median_iqr(per_round)[0],
+                                   "grid": str(EXHAUSTIVE[label].name)}
         results[label] = entry
     return results
 
@@ -161,6 +190,10 @@ def main(argv=None) -> dict:
             print(f"  vs {baseline} ({entry['points'][baseline]}): {c['speedup']:.2f}x "
                   f"(per round median {c['per_round_median']:.2f}, p25 {c['per_round_p25']:.2f}, "
                   f"p75 {c['per_round_p75']:.2f})")
+        if "vs_optimum" in entry:
+            o = entry["vs_optimum"]
+            print(f"  tuned / exhaustive optimum ({o['optimum']}: {o['point']}): {o['ratio']:.3f} "
+                  f"(per round median {o['per_round_median']:.3f})")
     return results
 
 

@@ -1,8 +1,11 @@
-"""Record a measured grid: every legal point of a small space, trained for real on local ranks.
+"""Record a measured grid: every legal point of a space, trained for real on local ranks.
 
-The table (knobs, per-rank peak tensor memory, step times) is the input of the search-strategy
-benchmark and of the replay tests, which answer trials from it instead of running them.
-Run: ``python -m benchmarks.record_grid [--out benchmarks/data/gpt2_tiny_w2.csv]``.
+The small grid (knobs, per-rank peak tensor memory, step times) is the input of the
+search-strategy benchmark and of the replay tests, which answer trials from it instead of running
+them. The reference grid is the exhaustive search of the headline's GPT-2 workload: every point
+that fits its memory budget (exact mode decides) timed for real, so that the headline can say how
+far the tuned schedule is from the best one.
+Run: ``python -m benchmarks.record_grid [--reference] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 GRID = dict(model="gpt2-tiny", world_size=2, global_batch=16, seq_len=64, fixed={"attn": "sdpa"})
 DEFAULT_OUT = Path(__file__).with_name("data") / "gpt2_tiny_w2.csv"
+REFERENCE_OUT = Path(__file__).with_name("data") / "gpt2_ref_w1.csv"
 
 
 def grid_points() -> list[dict]:
@@ -31,11 +35,62 @@ def grid_points() -> list[dict]:
     return [p for p in space.enumerate() if all(p[k] == v for k, v in GRID["fixed"].items())]
 
 
+def _write(rows: list[dict], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+def record_reference(out: Path, chunk: int, timed_steps: int = 3) -> None:
+    """Every point of the headline's GPT-2 workload (world 1) that fits its budget, timed."""
+    from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
+    from search_spaces import template_for
+    from slapo_tune.cost_model import CostModel, hardware
+    from slapo_tune.cost_model.measure import measure_points_rank
+    from slapo_tune.launch import launch
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.template import ModelInfo, Workload
+
+    spec = ModelSpec(GPT2_REF[0], dict(GPT2_REF[1]))
+    config = spec.config()
+    template = template_for(config)
+    workload = Workload(1, GLOBAL_BATCH, SEQ)
+    cost = CostModel(spec, template, workload, hardware("cpu"))
+    points, peaks = [], []
+    for point in template.space(ModelInfo.from_config(config), workload).enumerate():
+        verdict = cost.verdict(point, BUDGET, exact=True)
+        if verdict.fits:
+            points.append(point)
+            peaks.append(verdict.predicted)
+    print(f"{len(points)} points fit {BUDGET / 2**20:.0f} MiB", flush=True)
+    rows, t0 = [], time.perf_counter()
+    for i in range(0, len(points), chunk):
+        part = points[i:i + chunk]
+        reports = launch(measure_points_rank, 1, args=(spec, template.name, part, workload, timed_steps, 0),
+                         timeout=3600)[0]
+        for j, (point, report) in enumerate(zip(part, reports)):
+            steps = report["step_times"]
+            rows.append({**point, "peak": peaks[i + j], "step_s": statistics.median(steps),
+                         "step_times": " ".join(f"{s:.5f}" for s in steps)})
+        print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+    _write(rows, out)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--reference", action="store_true",
+                        help="the headline's GPT-2 workload (exhaustive search) instead of the small grid")
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--chunk", type=int, default=40, help="points per launch (ranks start once per chunk)")
     args = parser.parse_args(argv)
+    if args.reference:
+        record_reference(args.out or REFERENCE_OUT, args.chunk)
+        return
 
     from search_spaces import template_for
     from slapo_tune.cost_model.measure import measure_points_rank
@@ -59,14 +114,7 @@ def main(argv=None) -> None:
             rows.append({**point, "peak": max(r["total"] for r in reports),
                          "step_s": statistics.median(steps), "step_times": " ".join(f"{s:.5f}" for s in steps)})
         print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    _write(rows, args.out or DEFAULT_OUT)
 
 
 if __name__ == "__main__":

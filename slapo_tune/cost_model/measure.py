@@ -43,17 +43,20 @@ def measure_point_rank(ctx, spec, template_name: str, point: Mapping[str, Any], 
         optimizer.zero_grad(set_to_none=True)
         if i >= warmup_steps:
             times.append(time.perf_counter() - t0)
-    peak = min((tracked_step(run.step, run.stage, optimizer, batch) for _ in range(tracked_steps)),
-               key=lambda b: b.total)
-    return {"rank": ctx.rank, "stage": run.stage.info.index, "step_times": times, "losses": losses,
-            **peak.as_dict()}
+    result = {"rank": ctx.rank, "stage": run.stage.info.index, "step_times": times, "losses": losses}
+    if tracked_steps:
+        peak = min((tracked_step(run.step, run.stage, optimizer, batch) for _ in range(tracked_steps)),
+                   key=lambda b: b.total)
+        result.update(peak.as_dict())
+    return result
 
 
 def measure_points_rank(ctx, spec, template_name: str, points: list[Mapping[str, Any]], workload: Workload,
-                        timed_steps: int = 3) -> list[dict[str, Any]]:
+                        timed_steps: int = 3, tracked_steps: int = 2) -> list[dict[str, Any]]:
     """Many points in one launch (ranks start once)."""
     out = []
     for point in points:
-        out.append(measure_point_rank(ctx, spec, template_name, point, workload, timed_steps))
+        out.append(measure_point_rank(ctx, spec, template_name, point, workload, timed_steps,
+                                      tracked_steps=tracked_steps))
         dist.barrier()
     return out
