@@ -1,9 +1,12 @@
-"""Search strategies on a recorded grid: how many launched trials until a point within 3 % of the
-grid's optimum, per strategy, with and without cost-model pruning, over 20 seeds.
+"""Search strategies on a recorded grid: how many launched trials, and how much training time,
+until a point within 3 % of the grid's optimum, per strategy, with and without cost-model pruning,
+over 20 seeds.
 
 Trials are answered from the recorded table (:class:`runners.replay.ReplayRunner`): points whose
 recorded peak exceeds the budget are ``oom``. Slapo's own tuner launched 17 of 91 points; the
-target here is within 3 % of the optimum after at most 20 % of the grid's feasible points.
+target here is within 3 % of the optimum after at most 20 % of the grid's feasible points. Wall time
+is replayed too: each launched trial costs its recorded step time for every step a trial runs
+(warm-up and measured; an ``oom`` trial one step), plus the driver's own time, measured here.
 Run: ``python -m benchmarks.search_strategies [--seeds 20]``.
 """
 
@@ -59,12 +62,29 @@ def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: in
     return Tuner(config, runner, write_outputs=False), runner
 
 
-def search(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int) -> list[float]:
-    """Throughput of each launched trial, in launch order (0 for oom)."""
+def search(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int
+           ) -> tuple[list[float], list[float]]:
+    """Throughput of each launched trial, in launch order (0 for oom), and the replayed seconds
+    elapsed when each finished (its training steps at the recorded step time, and the driver)."""
+    import time
+
     tuner, runner = replay_tuner(strategy, seed, prune, results, budget, trials)
+    started = time.perf_counter()
     tuner.run()
+    driver = (time.perf_counter() - started) / max(1, len(runner.launched))
+    steps = tuner.config.warmup_steps + tuner.config.measured_steps
     table = {tuple(sorted(r.knobs.items())): r for r in results}
-    return [table[tuple(sorted(p.items()))].samples_per_s or 0.0 for p in runner.launched]
+    launched = [table[tuple(sorted(p.items()))] for p in runner.launched]
+    elapsed, clock = [], 0.0
+    for r in launched:
+        clock += driver + (steps * r.step_times[0] if r.status == "ok" else _oom_seconds(r, results))
+        elapsed.append(clock)
+    return [r.samples_per_s or 0.0 for r in launched], elapsed
+
+
+def _oom_seconds(result, results: list) -> float:
+    """An out-of-memory trial fails in its first step: the median recorded step time."""
+    return statistics.median(r.step_times[0] for r in results if r.status == "ok")
 
 
 def trials_to_within(throughputs: list[float], optimum: float, tolerance: float = 0.03) -> int | None:
@@ -100,20 +120,26 @@ def main(argv=None) -> dict:
     for strategy in args.strategies:
         deterministic = strategy in ("grid", "model", "frontier")
         for prune in ("analytic", "none"):
-            counts = []
+            counts, seconds = [], []
             for seed in range(1 if deterministic else args.seeds):
-                launched = search(strategy, seed, prune, results, budget, trials=min(len(results), 3 * limit))
-                counts.append(trials_to_within(launched, optimum))
+                launched, elapsed = search(strategy, seed, prune, results, budget,
+                                           trials=min(len(results), 3 * limit))
+                count = trials_to_within(launched, optimum)
+                counts.append(count)
+                seconds.append(elapsed[count - 1] if count else None)
             found = [c for c in counts if c is not None]
             med = statistics.median(found) if found else None
+            wall = statistics.median([t for t in seconds if t is not None]) if found else None
             within = sum(1 for c in found if c <= limit)
             key = f"{strategy}/{'pruned' if prune != 'none' else 'no-pruning'}"
             summary["strategies"][key] = {"trials_to_3pct": counts, "median": med, "runs": len(counts),
-                                          "within_limit": within}
+                                          "within_limit": within, "seconds_to_3pct": seconds,
+                                          "median_seconds": wall}
             spread = (f"p25 {statistics.quantiles(found, n=4)[0]:.0f}, p75 {statistics.quantiles(found, n=4)[2]:.0f}"
                       if len(found) > 1 else "one run")
             print(f"{key:<22} trials to within 3 %: median {med} ({spread}); "
-                  f"{within}/{len(counts)} runs within {limit}")
+                  f"{within}/{len(counts)} runs within {limit}; replayed time to 3 %: "
+                  + (f"median {wall:.1f} s" if wall is not None else "not reached"))
     save_json("search_strategies", summary)
     return summary
 
