@@ -34,12 +34,13 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
         return [
             ("tuned vs out of the box", "headline", ["--quick"]),
             ("search efficiency", "search_strategies", ["--seeds", "3"]),
-            ("cost-model accuracy", "cost_model_accuracy", ["--points-per-world", "1", "--calibration-per-world", "1"]),
+            ("cost-model accuracy", "cost_model_accuracy", ["--points-per-world", "1", "--calibration-per-world", "1",
+                                                            "--models", "gpt2-ref", "--worlds", "1,2"]),
             ("schedule-language overhead", "schedule_overhead", ["--steps", "5"]),
             ("runner overhead", "runner_overhead", ["--repeats", "1", "--worlds", "2"]),
             ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
         ]
-    accuracy = [] if full_accuracy else ["--points-per-world", "4", "--calibration-per-world", "2"]
+    accuracy = [] if full_accuracy else ["--points-per-world", "3", "--calibration-per-world", "1"]
     return [
         ("tuned vs out of the box", "headline", []),
         ("search efficiency", "search_strategies", []),

@@ -63,7 +63,8 @@ def _points(label: str, template, config, world: int, points_per_world: int, cal
     return workload, evaluated, _sample(space, calibration_per_world, f"{label}-{world}-cal", evaluated)
 
 
-def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), timed_steps: int = 3) -> dict:
+def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), timed_steps: int = 3,
+        models: tuple[str, ...] = tuple(MODELS)) -> dict:
     from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.cost_model.measure import measure_points_rank
@@ -74,7 +75,8 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
 
     device = hardware("cpu")
     rows, summary = [], {}
-    for label, (preset, overrides) in MODELS.items():
+    for label in models:
+        preset, overrides = MODELS[label]
         spec = ModelSpec(preset, overrides)
         config = spec.config()
         template = template_for(config)
@@ -281,13 +283,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer points (a smoke run, not the reported figures)")
     parser.add_argument("--rescore", action="store_true",
                         help="re-predict the last full run's measured points with the current code (no training)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--worlds", default="1,2,4", help="comma-separated world sizes")
     args = parser.parse_args(argv)
+    models = tuple(args.models.split(","))
+    worlds = tuple(int(w) for w in args.worlds.split(","))
     if args.quick:
         args.points_per_world, args.calibration_per_world = 3, 3
     if args.rescore:
         result = rescore(args.points_per_world, args.calibration_per_world)
     else:
-        result = run(args.points_per_world, args.calibration_per_world)
+        result = run(args.points_per_world, args.calibration_per_world, worlds, models=models)
     summary = report(result)
     write_outputs(result, summary)
     s = summary
