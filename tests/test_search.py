@@ -52,3 +52,25 @@ def test_frontier_skips_points_an_oom_rules_out(grid):
         if by_key[tuple(sorted(p.items()))] == "oom":
             ooms.append(p)
     assert ooms  # the walk did meet the frontier
+
+
+def test_recorded_exhaustive_search_is_the_headline_workloads_fitting_points():
+    import csv
+
+    from benchmarks.headline import BUDGET, EXHAUSTIVE, GLOBAL_BATCH, GPT2_REF, SEQ, exhaustive_best
+    from search_spaces import template_for
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.template import ModelInfo, Workload
+
+    config = ModelSpec(GPT2_REF[0], dict(GPT2_REF[1])).config()
+    space = template_for(config).space(ModelInfo.from_config(config), Workload(1, GLOBAL_BATCH, SEQ))
+    with open(EXHAUSTIVE["gpt2-ref w1"]) as f:
+        rows = list(csv.DictReader(f))
+    legal = {tuple(str(p[k]) for k in space.names) for p in space.enumerate()}
+    assert rows and all(tuple(r[k] for k in space.names) in legal for r in rows)
+    assert all(int(r["peak"]) <= BUDGET for r in rows)
+    best = exhaustive_best("gpt2-ref w1", space)
+    fastest = sorted(rows, key=lambda r: float(r["step_s"]))[:len(best)]
+    assert len(best) == 3 and [tuple(str(p[k]) for k in space.names) for p in best] == \
+        [tuple(r[k] for k in space.names) for r in fastest]
+    assert exhaustive_best("llama-ref w4", space) == []
