@@ -419,6 +419,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         }
         recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
         positions = sorted(_ckpt_positions(point, layout, stage))
+        head_grads = ends * P if last else 0.0  # the first gradients a last stage's backward makes
         # the first backward runs with the most micro-batches in flight but no gradients yet; later
         # ones with gradients (accumulating) beside fewer micro-batches
         for suffix, flight, logits_flight, grads_alive in (("_first", fresh, logits_fresh, {}),
@@ -429,7 +430,6 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                                        "logits_grad": logits_1}
             # the stage's backward starts: every activation alive, the block's gradient temporaries
             # (and, under zero=3, the block gathered with the next one prefetched)
-            head_grads = (ends * P if last else 0.0)
             events["backward_start" + suffix] = {
                 **base, **grads_alive, **acts, "logits": logits_1 * logits_flight, "backward_temp": temp_1,
                 "gathered": gathered_running, **_fresh_gradients(m, bool(grads_alive), head_grads)}
@@ -458,7 +458,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                               "gradients_single": grads if m == 1 else 0.0,
                               "gathered": params * P if sharded else 0.0,
                               "dp_buckets": min(grads, DP_BUCKET_BYTES) if dp > 1 and not sharded else 0.0},
-            # AdamW's temporaries, once activations are gone (and zero=3's whole gradients)
+            # AdamW's temporaries, once activations are gone (zero=3: beside the gradient shards only)
             "optimizer": {**base, "optimizer_temp": largest / zero_div * P,
                           **({"gradients": grad_shards} if sharded else
                              {"gradients": grads if m > 1 else 0.0, "gradients_single": grads if m == 1 else 0.0})},
