@@ -447,9 +447,11 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                 current = {k: v * (flight - 1) + v * full_before / full if full else v * (flight - 1)
                            for k, v in per_mb.items() if k != "act_checkpointed"}
                 current["act_checkpointed"] = hidden_1 * (ckpt * (flight - 1) + inputs_before)
-                events[name + suffix] = {**base, **grads_alive, **current, "logits": logits_1 * (logits_flight - 1),
-                                         "recompute": recompute, "backward_temp": temp_1,
-                                         "gathered": gathered_running,
+                # zero=3 keeps what its backward gathered: every block from the last to this one
+                gathered = (min(per_stage, per_stage - position + 1) * block + ends) * P if sharded else 0.0
+                # the stage holds a micro-batch's output (the logits) until its backward is done
+                events[name + suffix] = {**base, **grads_alive, **current, "logits": logits_1 * logits_flight,
+                                         "recompute": recompute, "backward_temp": temp_1, "gathered": gathered,
                                          **_fresh_gradients(m, bool(grads_alive), after_grads)}
         events.update({
             # replicated data parallelism averages the gradients through flat buckets; zero=3
