@@ -86,8 +86,12 @@ def ray_cluster():
     os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)  # Cluster() expects it under RAY_TMPDIR
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "HOME")}
     os.environ.update(RAY_TMPDIR=ray_tmp, HOME=ray_tmp)
+    # a free dashboard port: a fixed one (8265) fails while another Ray runs on this machine
+    from slapo_tune.search._cluster import _free_port
+
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True,
-                                                            "dashboard_host": "127.0.0.1"})
+                                                            "dashboard_host": "127.0.0.1",
+                                                            "dashboard_port": _free_port()})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     # workers import test helpers (fault-injecting templates) from this folder, as ranks do locally
