@@ -46,13 +46,33 @@ def _write(rows: list[dict], out: Path) -> None:
     print(f"wrote {out}")
 
 
-def record_reference(out: Path, chunk: int, timed_steps: int = 3) -> None:
+def _measure(spec, template_name: str, points: list[dict], workload, chunk: int,
+             peaks: list[int] | None = None) -> list[dict]:
+    """Each point trained for real, ``chunk`` points per launch: its step times (the slowest rank
+    per step) and its peak tensor memory (the largest rank's), unless ``peaks`` are known."""
+    from slapo_tune.cost_model.measure import measure_points_rank
+    from slapo_tune.launch import launch
+
+    rows, t0 = [], time.perf_counter()
+    for i in range(0, len(points), chunk):
+        part = points[i:i + chunk]
+        per_rank = launch(measure_points_rank, workload.world_size,
+                          args=(spec, template_name, part, workload, 3, 0 if peaks else 2), timeout=3600)
+        for j, point in enumerate(part):
+            reports = [r[j] for r in per_rank]
+            steps = [max(r["step_times"][k] for r in reports) for k in range(len(reports[0]["step_times"]))]
+            peak = peaks[i + j] if peaks else max(r["total"] for r in reports)
+            rows.append({**point, "peak": peak, "step_s": statistics.median(steps),
+                         "step_times": " ".join(f"{s:.5f}" for s in steps)})
+        print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+    return rows
+
+
+def record_reference(out: Path, chunk: int) -> None:
     """Every point of the headline's GPT-2 workload (world 1) that fits its budget, timed."""
     from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
     from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
-    from slapo_tune.cost_model.measure import measure_points_rank
-    from slapo_tune.launch import launch
     from slapo_tune.realize import ModelSpec
     from slapo_tune.template import ModelInfo, Workload
 
@@ -68,16 +88,8 @@ def record_reference(out: Path, chunk: int, timed_steps: int = 3) -> None:
             points.append(point)
             peaks.append(verdict.predicted)
     print(f"{len(points)} points fit {BUDGET / 2**20:.0f} MiB", flush=True)
-    rows, t0 = [], time.perf_counter()
-    for i in range(0, len(points), chunk):
-        part = points[i:i + chunk]
-        reports = launch(measure_points_rank, 1, args=(spec, template.name, part, workload, timed_steps, 0),
-                         timeout=3600)[0]
-        for j, (point, report) in enumerate(zip(part, reports)):
-            steps = report["step_times"]
-            rows.append({**point, "peak": peaks[i + j], "step_s": statistics.median(steps),
-                         "step_times": " ".join(f"{s:.5f}" for s in steps)})
-        print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+    # memory from exact mode (byte-exact on CPU): the real steps are only timed
+    rows = _measure(spec, template.name, points, workload, chunk, peaks)
     _write(rows, out)
 
 
@@ -93,27 +105,13 @@ def main(argv=None) -> None:
         return
 
     from search_spaces import template_for
-    from slapo_tune.cost_model.measure import measure_points_rank
-    from slapo_tune.launch import launch
     from slapo_tune.realize import ModelSpec
     from slapo_tune.template import Workload
 
     spec = ModelSpec(GRID["model"])
     template = template_for(spec.config())
     workload = Workload(GRID["world_size"], GRID["global_batch"], GRID["seq_len"])
-    points = grid_points()
-    rows = []
-    t0 = time.perf_counter()
-    for i in range(0, len(points), args.chunk):
-        chunk = points[i:i + args.chunk]
-        per_rank = launch(measure_points_rank, GRID["world_size"], args=(spec, template.name, chunk, workload, 3),
-                          timeout=3600)
-        for j, point in enumerate(chunk):
-            reports = [r[j] for r in per_rank]
-            steps = [max(r["step_times"][k] for r in reports) for k in range(len(reports[0]["step_times"]))]
-            rows.append({**point, "peak": max(r["total"] for r in reports),
-                         "step_s": statistics.median(steps), "step_times": " ".join(f"{s:.5f}" for s in steps)})
-        print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = _measure(spec, template.name, grid_points(), workload, args.chunk)
     _write(rows, args.out or DEFAULT_OUT)
 
 
