@@ -75,16 +75,13 @@ def search(strategy: str, seed: int, prune: str, results: list, budget: int, tri
     steps = tuner.config.warmup_steps + tuner.config.measured_steps
     table = {tuple(sorted(r.knobs.items())): r for r in results}
     launched = [table[tuple(sorted(p.items()))] for p in runner.launched]
+    # an out-of-memory trial fails in its first step: the median recorded step time
+    oom_seconds = statistics.median(r.step_times[0] for r in results if r.status == "ok")
     elapsed, clock = [], 0.0
     for r in launched:
-        clock += driver + (steps * r.step_times[0] if r.status == "ok" else _oom_seconds(r, results))
+        clock += driver + (steps * r.step_times[0] if r.status == "ok" else oom_seconds)
         elapsed.append(clock)
     return [r.samples_per_s or 0.0 for r in launched], elapsed
-
-
-def _oom_seconds(result, results: list) -> float:
-    """An out-of-memory trial fails in its first step: the median recorded step time."""
-    return statistics.median(r.step_times[0] for r in results if r.status == "ok")
 
 
 def trials_to_within(throughputs: list[float], optimum: float, tolerance: float = 0.03) -> int | None:
