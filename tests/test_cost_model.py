@@ -191,3 +191,40 @@ def test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter(no_leftover_c
     # input 1 MiB + output 0.5 MiB, and gloo's full-size copy of the input (no reduce-scatter of its own)
     assert fake["nccl"] == 3 * 2**19
     assert real == [fake["gloo"]] * 2 == [5 * 2**19] * 2
+
+
+def test_time_model_charges_small_micro_batches_for_small_gemms_and_gradient_passes():
+    """Two effects that make micro-batch 1 slower per sample than micro-batch 4 at equal FLOPs:
+    small GEMMs run below the device's rate, and every micro-batch adds its gradients to the
+    accumulated ones (a pass over the stage's parameters)."""
+    spec = ModelSpec("gpt2-tiny")
+    template = template_for(spec.config())
+    workload = Workload(1, 16, 64)
+    flat = CostModel(spec, template, workload, CPU)
+    curved = CostModel(spec, template, workload,
+                       dataclasses.replace(CPU, gemm_half_tokens=128.0, memory_bandwidth=1e9))
+    small, large = _point(1, micro_batch=1), _point(1, micro_batch=4)
+    for model in (flat, curved):
+        assert model.time(small).breakdown["compute"] >= model.time(large).breakdown["compute"] * 0.99
+    # with the curve and the gradient passes, micro-batch 1 loses clearly more than without
+    gap = {id(m): m.time(small).step / m.time(large).step for m in (flat, curved)}
+    assert gap[id(curved)] > gap[id(flat)] * 1.1
+    grads = [curved.time(p).breakdown["grad_accumulation"] for p in (small, large)]
+    assert grads[0] == pytest.approx(4 * grads[1])  # 16 micro-batches against 4
+    assert flat.time(small).breakdown["grad_accumulation"] == 0.0  # no bandwidth given: not modelled
+    # one thread of a CPU runs small GEMMs at its full rate; all cores on one GEMM do not
+    hw = dataclasses.replace(CPU, gemm_half_tokens=100.0)
+    assert hw.gemm_rate(100, threads=1) == pytest.approx(hw.flops)
+    assert hw.gemm_rate(100, threads=2) == pytest.approx(hw.flops)  # 2 * rate * 100 / (100 + 100)
+
+
+def test_cpu_measurements_from_an_older_version_are_redone(tmp_path, monkeypatch):
+    from slapo_tune.cost_model.hardware import measure_cpu
+
+    monkeypatch.setenv("SLAPO_TUNE_CACHE", str(tmp_path))
+    old = {k: v for k, v in dataclasses.asdict(CPU).items() if k not in ("gemm_half_tokens", "memory_bandwidth")}
+    (tmp_path / "cpu.json").write_text(json.dumps({**old, "name": "cpu"}))
+    hw = measure_cpu(with_collectives=False)
+    assert hw.memory_bandwidth > 0 and hw.flops != CPU.flops
+    assert json.loads((tmp_path / "cpu.json").read_text())["memory_bandwidth"] == hw.memory_bandwidth
+    assert measure_cpu(with_collectives=False) == hw  # cached now

@@ -530,7 +530,7 @@ def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Work
 
 
 # ---------------------------------------------------------------- time
-TIME_TERMS = ("compute", "overhead", "tp_comm", "dp_comm", "pp_comm")
+TIME_TERMS = ("compute", "overhead", "grad_accumulation", "tp_comm", "dp_comm", "pp_comm")
 DEFAULT_TIME_WEIGHTS = {k: 1.0 for k in TIME_TERMS}
 
 
@@ -568,12 +568,19 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     head_fwd = 2 * tokens * (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
     flops_mb = 3 * (stage_fwd + head_fwd) + ckpt * block_fwd  # forward + backward, recomputation
     world = tp * pp * dp
-    rate = hw.flops
+    rate, bandwidth = hw.gemm_rate(tokens), hw.memory_bandwidth
     if hw.cores:  # CPU: ranks share the cores; more ranks than cores time-slice
-        threads = max(1, hw.cores // world)
-        rate = hw.flops * threads / max(1.0, world / hw.cores)
+        sliced = max(1.0, world / hw.cores)
+        rate = hw.gemm_rate(tokens, max(1, hw.cores // world)) / sliced
+        bandwidth = bandwidth / sliced
     compute = (m + pp - 1) * flops_mb / rate
     overhead = (m + pp - 1) * per_stage * hw.overhead_per_layer * (1 + (2 if tp > 1 else 0))
+    # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
+    # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
+    # repeat more often
+    edges = [layout.pre_sharded / tp + layout.pre_replicated, layout.post_sharded / tp + layout.post_replicated]
+    stage_params = per_stage * block_params + (sum(edges) if pp == 1 else max(edges))
+    grad_accumulation = m * 3 * stage_params * PARAM_BYTES / bandwidth if bandwidth else 0.0
     act_bytes = tokens * layout.hidden * B
     tp_comm = (m + pp - 1) * per_stage * 4 * _ring(act_bytes, tp, hw)
     pp_comm = 2 * (m + pp - 1) * (hw.latency + act_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
@@ -583,7 +590,8 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
                    + _ring(stage_param_bytes, dp, hw, "all_gather"))
     else:
         dp_comm = _ring(stage_param_bytes, dp, hw)
-    return {"compute": compute, "overhead": overhead, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
+    return {"compute": compute, "overhead": overhead, "grad_accumulation": grad_accumulation, "tp_comm": tp_comm,
+            "dp_comm": dp_comm, "pp_comm": pp_comm}
 
 
 def predict_time(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,

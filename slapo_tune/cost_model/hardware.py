@@ -33,6 +33,22 @@ class Hardware:
     devices_per_node: int = 8
     overhead_per_layer: float = 0.0  # fixed seconds per block per micro-batch (launches, Python)
     cores: int = 0  # CPU only: cores shared by the ranks of one node
+    # a GEMM over T tokens runs at rate * T / (T + gemm_half_tokens): small micro-batches make
+    # small matrices, which no device runs at full rate (0: not measured, every size at full rate).
+    # On a CPU this is the figure for all its cores on one GEMM; one thread has no such loss
+    gemm_half_tokens: float = 0.0
+    memory_bandwidth: float = 0.0  # bytes/s per device for streaming kernels (0: not modelled)
+
+    def gemm_rate(self, tokens: float, threads: int = 1) -> float:
+        """Achievable FLOP/s of the GEMMs of a micro-batch of ``tokens`` tokens (on ``threads``
+        threads of a CPU; a GPU is one device)."""
+        half = self.gemm_half_tokens
+        if self.cores:
+            rate = self.flops * threads
+            half *= (threads - 1) / (self.cores - 1) if self.cores > 1 else 0.0
+        else:
+            rate = self.flops
+        return rate * tokens / (tokens + half) if tokens > 0 else rate
 
     def bandwidth(self, group_size: int, spans_nodes: bool) -> float:
         return self.inter_bandwidth if spans_nodes else self.intra_bandwidth
@@ -42,12 +58,13 @@ class Hardware:
 
 
 PRESETS: dict[str, Hardware] = {
-    # achievable bf16 rates ~50% of peak for transformer training; NVLink / InfiniBand per GPU
-    "a100-80gb": Hardware("a100-80gb", 80 * GiB, 156e12, 250e9, 25e9, 8e-6),
-    "a100-40gb": Hardware("a100-40gb", 40 * GiB, 156e12, 250e9, 25e9, 8e-6),
-    "h100-80gb": Hardware("h100-80gb", 80 * GiB, 450e12, 400e9, 50e9, 6e-6),
-    "h200": Hardware("h200", 141 * GiB, 450e12, 400e9, 50e9, 6e-6),
-    "v100-32gb": Hardware("v100-32gb", 32 * GiB, 60e12, 130e9, 12e9, 10e-6),
+    # achievable bf16 rates ~50% of peak for transformer training; NVLink / InfiniBand per GPU;
+    # HBM bandwidth from the datasheets
+    "a100-80gb": Hardware("a100-80gb", 80 * GiB, 156e12, 250e9, 25e9, 8e-6, memory_bandwidth=2.0e12),
+    "a100-40gb": Hardware("a100-40gb", 40 * GiB, 156e12, 250e9, 25e9, 8e-6, memory_bandwidth=1.55e12),
+    "h100-80gb": Hardware("h100-80gb", 80 * GiB, 450e12, 400e9, 50e9, 6e-6, memory_bandwidth=3.35e12),
+    "h200": Hardware("h200", 141 * GiB, 450e12, 400e9, 50e9, 6e-6, memory_bandwidth=4.8e12),
+    "v100-32gb": Hardware("v100-32gb", 32 * GiB, 60e12, 130e9, 12e9, 10e-6, memory_bandwidth=0.9e12),
 }
 
 
@@ -57,18 +74,52 @@ def _cache_dir() -> Path:
     return path
 
 
-def _gemm_rate(threads: int, size: int = 512, repeats: int = 5) -> float:
+def _best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+GEMM_TOKENS = (64, 128, 256, 512, 1024, 2048)  # rows of the measured GEMMs (tokens per micro-batch)
+
+
+def _gemm_curve(threads: int, size: int = 512, repeats: int = 5) -> tuple[float, float]:
+    """(full rate, half-rate tokens) on ``threads`` threads: ``tokens x size @ size x size`` GEMMs
+    at several token counts, fitted to ``rate(T) = R * T / (T + T_half)`` (linear in 1 / T)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-        return 2 * size**3 / best
+        b = torch.randn(size, size)
+        inverse_rates, inverse_tokens = [], []
+        for tokens in GEMM_TOKENS:
+            a = torch.randn(tokens, size)
+            seconds = _best_seconds(lambda a=a: a @ b, repeats)
+            inverse_rates.append(seconds / (2 * tokens * size * size))
+            inverse_tokens.append(1.0 / tokens)
+    finally:
+        torch.set_num_threads(previous)
+    n = len(GEMM_TOKENS)
+    mean_x, mean_y = sum(inverse_tokens) / n, sum(inverse_rates) / n
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(inverse_tokens, inverse_rates))
+             / sum((x - mean_x) ** 2 for x in inverse_tokens))
+    intercept = mean_y - slope * mean_x
+    if intercept <= 0:  # the smallest GEMMs were the fastest: no curve to model
+        return 1.0 / min(inverse_rates), 0.0
+    return 1.0 / intercept, max(0.0, slope / intercept)
+
+
+def _stream_bandwidth(megabytes: int = 64, repeats: int = 5) -> float:
+    """Bytes/s of one thread accumulating one tensor into another (a gradient accumulation)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = megabytes * 2**20 // 4
+        total, part = torch.zeros(n), torch.ones(n)
+        return 3 * n * 4 / _best_seconds(lambda: total.add_(part), repeats)  # read both, write one
     finally:
         torch.set_num_threads(previous)
 
@@ -104,20 +155,26 @@ def measure_collectives(world_size: int = 2) -> tuple[float, float]:
     return latency, bandwidth
 
 
+CPU_MEASURES = {"flops", "latency", "intra_bandwidth", "gemm_half_tokens", "memory_bandwidth"}
+
+
 def measure_cpu(refresh: bool = False, with_collectives: bool = True) -> Hardware:
     """This CPU as a :class:`Hardware` (cached in ~/.cache/slapo-tune/cpu.json)."""
     cache = _cache_dir() / "cpu.json"
     if cache.exists() and not refresh:
         try:
-            return Hardware(**json.loads(cache.read_text()))
+            cached = json.loads(cache.read_text())
+            if cached.keys() >= CPU_MEASURES:  # a cache from before a measure was added is redone
+                return Hardware(**cached)
         except (ValueError, TypeError):
             pass
     cores = os.cpu_count() or 1
-    rate = _gemm_rate(1)
+    rate, _ = _gemm_curve(1)
+    half_tokens = _gemm_curve(cores)[1] if cores > 1 else 0.0
     latency, bandwidth = measure_collectives(2) if with_collectives and cores >= 1 else (50e-6, 2e9)
     hw = Hardware("cpu", memory=_physical_memory(), flops=rate, intra_bandwidth=bandwidth,
                   inter_bandwidth=bandwidth, latency=latency, devices_per_node=cores, cores=cores,
-                  overhead_per_layer=4e-4)
+                  overhead_per_layer=4e-4, gemm_half_tokens=half_tokens, memory_bandwidth=_stream_bandwidth())
     tmp = cache.with_suffix(".tmp")
     tmp.write_text(json.dumps(hw.as_dict()))
     os.replace(tmp, cache)
