@@ -205,7 +205,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                "reason": verdict.reason}
         (rows if verdict.fits else pruned).append(row)
     elapsed = time.perf_counter() - t0
-    rows.sort(key=lambda r: -r["throughput"])
+    # a point predicted above the budget is kept (it may fit, within the prediction's uncertainty)
+    # but ranked after every point predicted to fit: a plan recommends what should fit first
+    rows.sort(key=lambda r: (r["peak"] > budget, -r["throughput"]))
     if not rows:
         smallest = min(pruned, key=lambda r: r["peak"])
         raise UsageError(
@@ -224,7 +226,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for i, r in enumerate(rows[: args.top], 1):
         parts = ", ".join(f"{k} {_mib(v)}" for k, v in r["breakdown"].items() if v >= 2**20)
         print(f"{i:>3}. {format_point(r['point'])}")
-        print(f"     peak {_mib(r['peak'])} (stage {r['stage']}; up to {_mib(r['upper'])}) = {parts}")
+        maybe = "; above the budget, may fit: check it" if r["peak"] > budget else ""
+        print(f"     peak {_mib(r['peak'])} (stage {r['stage']}; up to {_mib(r['upper'])}{maybe}) = {parts}")
         print(f"     step {r['step_s']:.3f} s, {r['throughput']:.1f} samples/s")
     if pruned:
         print(f"pruned {len(pruned)} point(s), for example:")
