@@ -3,6 +3,7 @@ tuned schedule point. Plain JSON data, validated field by field on load, never e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -45,6 +46,11 @@ _LIMITS = {"world_size": 2**20, "global_batch": 2**31, "micro_batch": 2**31, "ac
 
 
 def library_versions() -> dict[str, str]:
+    return dict(_installed_versions())
+
+
+@functools.cache  # looking packages up costs milliseconds, and a tuner writes a schedule per trial
+def _installed_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {}

@@ -290,7 +290,7 @@ class Tuner:
                      "failed": p.failed, "duplicates": p.duplicates, "best": p.best,
                      "best_point": format_point(p.best_point) if p.best_point else None,
                      "elapsed": time.monotonic() - p.started, "target": self.config.trials, **extra})
-        if self.write:
+        if self.write and kind != "launched":  # a launch changes no output: nothing is told yet
             from ._outputs import write_outputs
 
             write_outputs(self)

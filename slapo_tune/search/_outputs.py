@@ -59,6 +59,7 @@ def best_trial(study):
 
 
 REPORT_INTERVAL = 15.0  # seconds between report redraws while a study runs (plots cost ~1 s)
+REPORT_SHARE = 0.05
 
 
 def write_outputs(tuner, final: bool = False) -> None:
@@ -80,12 +81,15 @@ def write_outputs(tuner, final: bool = False) -> None:
     except ImportError:
         pass
     best = best_trial(tuner.study)
-    if best is not None:
+    if best is not None and getattr(tuner, "_schedule_written", None) != best.number:
         write_schedule(out / "best_schedule.json", schedule_of(tuner, best))
+        tuner._schedule_written = best.number
     now = time.monotonic()
-    if final or now - getattr(tuner, "_report_written", -REPORT_INTERVAL) >= REPORT_INTERVAL:
+    # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
+    interval = max(REPORT_INTERVAL, getattr(tuner, "_report_seconds", 0.0) / REPORT_SHARE)
+    if final or now - getattr(tuner, "_report_written", -interval) >= interval:
         write_report(out, frame, tuner)
-        tuner._report_written = now
+        tuner._report_written, tuner._report_seconds = now, time.monotonic() - now
 
 
 def schedule_of(tuner, trial) -> dict[str, Any]:
