@@ -40,14 +40,14 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
             ("runner overhead", "runner_overhead", ["--repeats", "1", "--worlds", "2"]),
             ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
         ]
-    accuracy = [] if full_accuracy else ["--points-per-world", "3", "--calibration-per-world", "1"]
+    accuracy = [] if full_accuracy else ["--points-per-world", "2", "--calibration-per-world", "1"]
     return [
         ("tuned vs out of the box", "headline", []),
         ("search efficiency", "search_strategies", []),
         ("cost-model accuracy", "cost_model_accuracy", accuracy),
         ("schedule-language overhead", "schedule_overhead", ["--steps", "20"]),
         ("pipeline overhead", "pipeline_overhead", ["--steps", "10"]),
-        ("runner overhead", "runner_overhead", ["--repeats", "3"]),
+        ("runner overhead", "runner_overhead", ["--repeats", "2"]),
         ("driver overhead", "driver_overhead", []),
     ]
 

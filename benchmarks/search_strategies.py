@@ -13,7 +13,9 @@ Run: ``python -m benchmarks.search_strategies [--seeds 20]``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import csv
+import multiprocessing
 import os
 import statistics
 from pathlib import Path
@@ -104,6 +106,7 @@ class FixedAttention(GPT2Template):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=2, help="searches run at once (at most one per core)")
     parser.add_argument("--strategies", nargs="+", default=["tpe", "model", "frontier", "random", "grid"])
     args = parser.parse_args(argv)
     results, budget = load_grid()
@@ -114,31 +117,43 @@ def main(argv=None) -> dict:
           f"20 % of feasible = {limit} trials; optimum {optimum:.2f} samples/s")
     print(f"(each search stops after {min(len(results), 3 * limit)} launches; 'None' = not within 3 % by then)")
     summary = {"points": len(results), "feasible": len(feasible), "budget": budget, "limit": limit, "strategies": {}}
-    for strategy in args.strategies:
-        deterministic = strategy in ("grid", "model", "frontier")
-        for prune in ("analytic", "none"):
-            counts, seconds = [], []
-            for seed in range(1 if deterministic else args.seeds):
-                launched, elapsed = search(strategy, seed, prune, results, budget,
-                                           trials=min(len(results), 3 * limit))
-                count = trials_to_within(launched, optimum)
-                counts.append(count)
-                seconds.append(elapsed[count - 1] if count else None)
-            found = [c for c in counts if c is not None]
-            med = statistics.median(found) if found else None
-            wall = statistics.median([t for t in seconds if t is not None]) if found else None
-            within = sum(1 for c in found if c <= limit)
-            key = f"{strategy}/{'pruned' if prune != 'none' else 'no-pruning'}"
-            summary["strategies"][key] = {"trials_to_3pct": counts, "median": med, "runs": len(counts),
-                                          "within_limit": within, "seconds_to_3pct": seconds,
-                                          "median_seconds": wall}
-            spread = (f"p25 {statistics.quantiles(found, n=4)[0]:.0f}, p75 {statistics.quantiles(found, n=4)[2]:.0f}"
-                      if len(found) > 1 else "one run")
-            print(f"{key:<22} trials to within 3 %: median {med} ({spread}); "
-                  f"{within}/{len(counts)} runs within {limit}; replayed time to 3 %: "
-                  + (f"median {wall:.1f} s" if wall is not None else "not reached"))
+    # seeds are independent searches: one process per core (each search is single-threaded Python)
+    pool = cf.ProcessPoolExecutor(max_workers=max(1, min(args.workers, os.cpu_count() or 1)),
+                                  mp_context=multiprocessing.get_context("spawn"))
+    with pool:
+        for strategy in args.strategies:
+            _compare(strategy, args.seeds, pool, results, budget, limit, optimum, summary)
     save_json("search_strategies", summary)
     return summary
+
+
+def _compare(strategy: str, n_seeds: int, pool, results: list, budget: int, limit: int, optimum: float,
+             summary: dict) -> None:
+    """Trials and replayed time to within 3 % of the optimum, with and without pruning, over the
+    seeds (one search for the deterministic strategies)."""
+    deterministic = strategy in ("grid", "model", "frontier")
+    for prune in ("analytic", "none"):
+        counts, seconds = [], []
+        seeds = range(1 if deterministic else n_seeds)
+        runs = pool.map(search, [strategy] * len(seeds), seeds, [prune] * len(seeds), [results] * len(seeds),
+                        [budget] * len(seeds), [min(len(results), 3 * limit)] * len(seeds))
+        for launched, elapsed in runs:
+            count = trials_to_within(launched, optimum)
+            counts.append(count)
+            seconds.append(elapsed[count - 1] if count else None)
+        found = [c for c in counts if c is not None]
+        med = statistics.median(found) if found else None
+        wall = statistics.median([t for t in seconds if t is not None]) if found else None
+        within = sum(1 for c in found if c <= limit)
+        key = f"{strategy}/{'pruned' if prune != 'none' else 'no-pruning'}"
+        summary["strategies"][key] = {"trials_to_3pct": counts, "median": med, "runs": len(counts),
+                                      "within_limit": within, "seconds_to_3pct": seconds,
+                                      "median_seconds": wall}
+        spread = (f"p25 {statistics.quantiles(found, n=4)[0]:.0f}, p75 {statistics.quantiles(found, n=4)[2]:.0f}"
+                  if len(found) > 1 else "one run")
+        print(f"{key:<22} trials to within 3 %: median {med} ({spread}); "
+              f"{within}/{len(counts)} runs within {limit}; replayed time to 3 %: "
+              + (f"median {wall:.1f} s" if wall is not None else "not reached"))
 
 
 if __name__ == "__main__":
