@@ -33,7 +33,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
     if quick:
         return [
             ("tuned vs out of the box", "headline", ["--quick"]),
-            ("search efficiency", "search_strategies", ["--seeds", "3"]),
+            ("search efficiency", "search_strategies", ["--seeds", "2"]),
             ("cost-model accuracy", "cost_model_accuracy", ["--points-per-world", "1", "--calibration-per-world", "1",
                                                             "--models", "gpt2-ref", "--worlds", "1,2"]),
             ("schedule-language overhead", "schedule_overhead", ["--steps", "5"]),

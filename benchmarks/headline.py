@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     labels = ["gpt2-ref w1"] if args.quick else list(WORKLOADS)
     trials = args.trials or (4 if args.quick else 8)
-    rounds = args.rounds or (3 if args.quick else 7)
+    rounds = args.rounds or (2 if args.quick else 7)
     results = run(labels, trials, rounds)
     save_json("headline", results)
     for label, entry in results.items():
