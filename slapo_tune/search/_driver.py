@@ -21,7 +21,7 @@ from ..space import Point, format_point, point_key
 from ._strategies import make_strategy, random_unknown
 
 FINISHED = ("ok", "oom", "crash", "timeout")
-MAX_DUPLICATES = 20  # consecutive known points from a sampler before the driver picks one itself
+MAX_DUPLICATES = 3  # consecutive known points from a sampler before the driver picks one itself
 
 
 @dataclass
