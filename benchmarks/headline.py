@@ -193,8 +193,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args(argv)
     labels = ["gpt2-ref w1"] if args.quick else list(WORKLOADS)
-    trials = args.trials or (4 if args.quick else 8)
-    rounds = args.rounds or (2 if args.quick else 7)
+    trials = args.trials or (4 if args.quick else 6)
+    rounds = args.rounds or (2 if args.quick else 5)
     results = run(labels, trials, rounds)
     save_json("headline", results)
     for label, entry in results.items():
