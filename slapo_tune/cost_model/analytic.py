@@ -568,11 +568,10 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     head_fwd = 2 * tokens * (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
     flops_mb = 3 * (stage_fwd + head_fwd) + ckpt * block_fwd  # forward + backward, recomputation
     world = tp * pp * dp
-    rate, bandwidth = hw.gemm_rate(tokens), hw.memory_bandwidth
-    if hw.cores:  # CPU: ranks share the cores; more ranks than cores time-slice
-        sliced = max(1.0, world / hw.cores)
-        rate = hw.gemm_rate(tokens, max(1, hw.cores // world)) / sliced
-        bandwidth = bandwidth / sliced
+    # CPU: ranks share the cores (threads each); more ranks than cores time-slice
+    sliced = max(1.0, world / hw.cores) if hw.cores else 1.0
+    rate = hw.gemm_rate(tokens, max(1, hw.cores // world)) / sliced
+    bandwidth = hw.memory_bandwidth / sliced
     compute = (m + pp - 1) * flops_mb / rate
     overhead = (m + pp - 1) * per_stage * hw.overhead_per_layer * (1 + (2 if tp > 1 else 0))
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
