@@ -1,8 +1,9 @@
 """What a trial is: its spec, what each rank measures, and the result the driver gets back.
 
 A trial trains one schedule point for a few steps on ``world_size`` ranks: warm-up steps (not
-measured), one memory step (tensor-level tracking slows a step several-fold, so it is never
-timed), then the measured steps. Each measured step records how long the rank's threads waited
+measured), one memory step (tracking every tensor slows a step several-fold, so it is never
+timed; measured by :func:`slapo_tune.cost_model.measure.measured_peak`, a tool the cost model's
+predictions do not use), then the measured steps. Each measured step records how long the rank's threads waited
 for a core; a step that waited more than :data:`WAIT_LIMIT` of its time is measured again (once
 per step), so outside load on a shared machine shows up as a flag instead of a wrong number.
 """
@@ -112,13 +113,11 @@ def peak_rss_bytes() -> int:
 
 def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     """Rank function of a trial (run under :func:`slapo_tune.launch.launch` or a Ray rank actor)."""
-    import contextlib
-
     import torch
     import torch.distributed as dist
 
     from search_spaces import load_template, template_for
-    from slapo_tune.cost_model import tracked_step
+    from slapo_tune.cost_model.measure import measured_peak
     from slapo_tune.data import synthetic_batch
     from slapo_tune.launch import usable_cores
     from slapo_tune.realize import ModelSpec, realize
@@ -137,13 +136,10 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     run = realize(model_spec, template, point, workload, seed=spec.seed, device=ctx.device)
     optimizer = default_optimizer(run.stage.parameters())
     batch = synthetic_batch(run.stage.model.config.vocab_size, spec.global_batch, spec.seq_len, spec.seed)
-    autocast = (torch.autocast(torch.device(ctx.device).type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[spec.dtype]))
-                if spec.dtype != "fp32" else contextlib.nullcontext())
     losses: list[float] = []
 
     def step() -> None:
-        with autocast:
-            loss = run.step.run(batch)
+        loss = run.step.run(batch)  # under autocast for 16-bit dtypes
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if loss is not None:
@@ -152,14 +148,7 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     for _ in range(spec.warmup_steps):
         step()
     # memory: one dedicated step, before any timing (an infeasible point stops here)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-        step()
-        peak = torch.cuda.max_memory_allocated(ctx.device)
-    else:
-        with autocast:
-            peak = tracked_step(run.step, run.stage, optimizer, batch).total
+    peak = measured_peak(step, run.stage, optimizer, ctx.device).total
     if spec.memory_budget:  # every rank decides on the worst rank's peak, so all stop together
         worst = torch.tensor([peak], dtype=torch.long, device=ctx.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)

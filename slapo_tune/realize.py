@@ -61,5 +61,5 @@ def realize(spec: ModelSpec, template: Template, point: Mapping[str, Any], workl
     sch = template.schedule(model, point, topo)
     stage = build(sch, topology=topo, zero=point["zero"], seed=seed, device=device)
     accum = accumulation(point, workload)
-    step = TrainStep(stage, n_microbatches=accum, schedule=point["pipeline_schedule"])
+    step = TrainStep(stage, n_microbatches=accum, schedule=point["pipeline_schedule"], dtype=workload.dtype)
     return Realized(stage, step, topo, accum)

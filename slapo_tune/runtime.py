@@ -1,4 +1,5 @@
-"""One training step for any schedule: micro-batching, accumulation, pipeline, data parallelism.
+"""One training step for any schedule: micro-batching, accumulation, pipeline, data parallelism,
+precision.
 
 The same code path serves ``pp=1`` and ``pp>1``: every built model is a stage of a
 ``torch.distributed.pipelining`` schedule (a single-stage schedule is plain gradient
@@ -7,6 +8,7 @@ accumulation), so trials, the training job and ``verify`` all measure and run on
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import torch
@@ -17,6 +19,14 @@ from ._pipeline import StageModule
 from .errors import ScheduleError
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# compute dtypes: fp32, or 16-bit autocast over fp32 parameters, gradients and optimizer state
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise ScheduleError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
+    return name
 
 
 def _schedule_class(name: str):
@@ -48,11 +58,14 @@ class TrainStep:
     The global batch (same on every rank) is split over data-parallel ranks, then into
     ``n_microbatches`` micro-batches run by a GPipe or 1F1B schedule; gradients are accumulated
     (scaled to the mean), tied weights across stages summed, and replicated data parallelism
-    averaged. Returns the mean loss over the global batch on every rank. Call the optimizer after.
+    averaged. ``dtype`` ``bf16`` or ``fp16`` runs forward and backward under autocast (parameters,
+    gradients and optimizer state stay fp32). Returns the mean loss over the global batch on every
+    rank. Call the optimizer after.
     """
 
     def __init__(self, model: StageModule, *, n_microbatches: int = 1, schedule: str = "1f1b",
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 dtype: str = "fp32"):
         if not isinstance(model, StageModule):
             raise ScheduleError("TrainStep needs a model built with a topology: build(sch, topology=...)")
         if schedule not in PIPELINE_SCHEDULES:
@@ -64,6 +77,7 @@ class TrainStep:
             raise ScheduleError(f"1F1B needs at least as many micro-batches as stages ({topo.pp}), got {n_microbatches}")
         self.model, self.topology = model, topo
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
+        self.dtype = check_dtype(dtype)
         self.loss_fn = loss_fn or default_loss_fn(model.model)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
@@ -114,13 +128,14 @@ class TrainStep:
         self.model.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         # return_outputs=False: merging every micro-batch's logits would keep them all alive
-        if info.is_first:
-            self._schedule.step(ids, target=labels if info.is_last else None, losses=losses if info.is_last else None,
-                                return_outputs=False)
-        elif info.is_last:
-            self._schedule.step(target=labels, losses=losses, return_outputs=False)
-        else:
-            self._schedule.step(return_outputs=False)
+        with self._precision():
+            if info.is_first:
+                self._schedule.step(ids, target=labels if info.is_last else None,
+                                    losses=losses if info.is_last else None, return_outputs=False)
+            elif info.is_last:
+                self._schedule.step(target=labels, losses=losses, return_outputs=False)
+            else:
+                self._schedule.step(return_outputs=False)
         self._sync_gradients()
         loss = torch.stack([t.detach().float() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
         loss = loss.reshape(1).to(self.device)
@@ -130,6 +145,11 @@ class TrainStep:
             dist.all_reduce(loss, group=topo.dp_group)
             loss /= topo.dp
         return loss
+
+    def _precision(self):
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.dtype])
 
     def _sync_gradients(self) -> None:
         topo, info = self.topology, self.model.info

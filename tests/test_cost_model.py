@@ -1,5 +1,6 @@
-"""Cost model: exact mode matches a real step; analytic model states follow the closed-form
-ZeRO / Megatron formulas; calibration fits; plan answers fast and refuses bad input."""
+"""Cost model: exact mode matches a real step measured by torch's MemTracker; analytic model states
+follow the closed-form ZeRO / Megatron formulas; calibration improves held-out points; plan answers
+fast and refuses bad input."""
 
 import dataclasses
 import json
@@ -26,24 +27,57 @@ def _point(world, **knobs):
     return p
 
 
-@pytest.mark.parametrize("preset,world,knobs", [
-    ("gpt2-tiny", 2, {"tp": 2, "ckpt_ratio": 0.5, "attn": "eager"}),
-    ("llama-tiny", 2, {"pp": 2, "micro_batch": 1, "pipeline_schedule": "gpipe", "fuse": "on"}),
-    ("gpt2-tiny", 2, {"zero": 3, "micro_batch": 4}),
-])
-def test_exact_mode_matches_a_real_step(preset, world, knobs, no_leftover_children):
+# Points where the tensor-level peak depends on what each knob keeps alive: SDPA (where exact mode
+# once kept masks a real step does not), eager attention, a GPipe pipeline of fused Llama blocks,
+# ZeRO-3 (gloo's reduce-scatter copy) and tensor parallelism.
+MEMORY_POINTS = [
+    ("gpt2-tiny", {"tp": 2, "micro_batch": 8, "ckpt_ratio": 0.25}),
+    ("gpt2-tiny", {"tp": 2, "ckpt_ratio": 0.5, "attn": "eager"}),
+    ("llama-tiny", {"pp": 2, "micro_batch": 1, "pipeline_schedule": "gpipe", "fuse": "on"}),
+    ("gpt2-tiny", {"zero": 3, "micro_batch": 4}),
+]
+WORLD, MEMORY_WORKLOAD = 2, Workload(2, 8, 32)
+
+
+def _memory_spec(preset: str) -> ModelSpec:
     # hidden 256 so that activations, not the 512-token vocabulary, dominate (as in real models)
-    spec = ModelSpec(preset, {"n_embd": 256} if preset.startswith("gpt2") else {"hidden_size": 256})
+    return ModelSpec(preset, {"n_embd": 256} if preset.startswith("gpt2") else {"hidden_size": 256})
+
+
+@pytest.mark.parametrize("preset,knobs", MEMORY_POINTS)
+def test_exact_mode_matches_a_measured_real_step(preset, knobs, no_leftover_children):
+    """The measured side is torch's MemTracker on real steps (measure.py), a tool exact mode does
+    not use: a fault in exact mode's own tracker cannot pass here. Exact mode is the optimistic end:
+    a real rank may also hold one buffer that gloo's threads release a moment late (at most one
+    micro-batch's hidden state), never less than exact mode counts."""
+    spec = _memory_spec(preset)
     template = template_for(spec.config())
-    workload = Workload(world, 8, 32)
-    point = _point(world, **knobs)
-    measured = launch(measure_points_rank, world, args=(spec, template.name, [point], workload, 1), timeout=300)
-    exact = CostModel(spec, template, workload, CPU).exact(point)
+    point = _point(WORLD, **knobs)
+    measured = launch(measure_points_rank, WORLD, args=(spec, template.name, [point], MEMORY_WORKLOAD, 1),
+                      timeout=300)
+    exact = CostModel(spec, template, MEMORY_WORKLOAD, CPU).exact(point)
+    late_buffer = point["micro_batch"] * MEMORY_WORKLOAD.seq_len * spec.config().hidden_size * 4
     for per_rank in measured:
         m = per_rank[0]
-        # Byte for byte on most points; gloo's worker threads release a collective's buffers a
-        # moment late now and then, which the real step's peak sometimes catches (the issue's 3 %).
-        assert exact[m["stage"]].total == pytest.approx(m["total"], rel=0.03), (m["stage"], exact[m["stage"]], m)
+        predicted = exact[m["stage"]].total
+        assert 0 <= m["total"] - predicted <= late_buffer, (m["stage"], predicted, m["total"])
+
+
+def test_the_prediction_tracker_and_torch_memtracker_agree_on_real_steps(no_leftover_children):
+    """Exact mode counts with the project's PeakTracker; measurements count with torch's MemTracker.
+    Watching the same real steps at once, both see the same peak, byte for byte."""
+    from _memory_workers import both_trackers_rank
+
+    by_preset: dict[str, list[dict]] = {}
+    for preset, knobs in MEMORY_POINTS:
+        by_preset.setdefault(preset, []).append(_point(WORLD, **knobs))
+    for preset, points in by_preset.items():
+        spec = _memory_spec(preset)
+        per_rank = launch(both_trackers_rank, WORLD, args=(spec, template_for(spec.config()).name, points,
+                                                            MEMORY_WORKLOAD), timeout=300)
+        for rank, peaks in enumerate(per_rank):
+            for point, (ours, theirs) in zip(points, peaks):
+                assert ours == theirs and ours > 2**20, (preset, rank, point)
 
 
 def _closed_form_llama_params(stage, pp, tp, layers=80, h=8192, heads=64, kv=8, inter=28672, vocab=32000):
@@ -76,23 +110,29 @@ def test_llama70b_model_states_match_the_closed_form(tp, pp, dp, zero):
         assert states == pytest.approx(expected, rel=1e-9), st.stage
 
 
-def test_calibration_improves_and_is_cached(tmp_path, monkeypatch):
+def test_calibration_improves_held_out_points_and_is_cached(tmp_path, monkeypatch, no_leftover_children):
+    """Calibrated on six points' exact peaks, the analytic model predicts four other points' measured
+    peaks better than uncalibrated, and within the uncertainty it states (which prunes by it)."""
     monkeypatch.setenv("SLAPO_TUNE_CACHE", str(tmp_path))
-    spec = ModelSpec("gpt2-tiny")
+    spec = ModelSpec("gpt2-tiny", {"n_embd": 128})
     template = template_for(spec.config())
     workload = Workload(1, 8, 64)
     model = CostModel(spec, template, workload, CPU)
-    points = [_point(1, micro_batch=mb, ckpt_ratio=c, attn=a) for mb, c, a in
+    fitted = [_point(1, micro_batch=mb, ckpt_ratio=c, attn=a) for mb, c, a in
               [(1, 0.0, "sdpa"), (8, 0.0, "eager"), (4, 1.0, "sdpa"), (2, 0.5, "eager"), (8, 1.0, "sdpa"), (1, 1.0, "eager")]]
-    exact = [{s: b.total for s, b in model.exact(p).items()} for p in points]
+    held_out = [_point(1, micro_batch=mb, ckpt_ratio=c, attn=a) for mb, c, a in
+                [(2, 0.0, "eager"), (4, 0.25, "sdpa"), (8, 0.75, "eager"), (1, 0.5, "sdpa")]]
+    measured = [r["total"] for r in launch(measure_points_rank, 1, args=(spec, template.name, held_out, workload, 1),
+                                           timeout=300)[0]]
 
-    def error(m):
-        return max(abs(m.memory(p).peak / e[0] - 1) for p, e in zip(points, exact))
+    def worst_error(m):
+        return max(abs(m.memory(p).peak / peak - 1) for p, peak in zip(held_out, measured))
 
-    before = error(model)
-    calibration = model.calibrate(points, measured=exact)
-    after = error(model)
-    assert after < before and after <= calibration.uncertainty
+    before = worst_error(model)
+    calibration = model.calibrate(fitted)  # exact mode's peaks of the fitted points
+    after = worst_error(model)
+    assert calibration.points == len(fitted) and calibration.source == "exact"
+    assert after < before and after <= calibration.uncertainty, (before, after, calibration.uncertainty)
     again = CostModel(spec, template, workload, CPU)  # picks the cached calibration up
     assert again.calibration.weights == pytest.approx(calibration.weights)
     assert list(tmp_path.glob("calibration-test-cpu-gpt2-fp32.json"))
@@ -157,19 +197,24 @@ def test_plan_one_point_prints_its_breakdown(capsys):
     assert code == 0 and "1 point(s)" in out and "tp=2,pp=2,dp=2" in out and "weights" in out
 
 
-def _reduce_scatter_peak(ctx=None) -> int:
+def _reduce_scatter(tracker) -> int:
     """Peak tensor bytes of one reduce-scatter of a 1 MiB input over this process group."""
     import torch
     import torch.distributed as dist
 
-    from slapo_tune.cost_model._tracker import PeakTracker
-
-    tracker = PeakTracker()
     with tracker:
         source = torch.ones(2**18)
         output = torch.empty(2**17)
         dist.reduce_scatter_single(output, source)
-    return tracker.peak
+    return tracker
+
+
+def _measured_reduce_scatter_peak(ctx) -> int:
+    import torch
+
+    from slapo_tune.cost_model.measure import StepMemTracker
+
+    return _reduce_scatter(StepMemTracker()).get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter(no_leftover_children):
@@ -177,15 +222,16 @@ def test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter(no_leftover_c
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from slapo_tune.cost_model._tracker import PeakTracker
     from slapo_tune.cost_model.exact import _backend_temporaries
 
-    real = launch(_reduce_scatter_peak, 2, backend="gloo", timeout=120)
+    real = launch(_measured_reduce_scatter_peak, 2, backend="gloo", timeout=120)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         fake = {}
         for backend in ("gloo", "nccl"):
             with FakeTensorMode(), _backend_temporaries(backend):
-                fake[backend] = _reduce_scatter_peak()
+                fake[backend] = _reduce_scatter(PeakTracker()).peak
     finally:
         dist.destroy_process_group()
     # input 1 MiB + output 0.5 MiB, and gloo's full-size copy of the input (no reduce-scatter of its own)

@@ -120,7 +120,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 1  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 2  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config, template: Template) -> ModelLayout:
@@ -212,6 +212,7 @@ def _saved_bytes(config, template: Template | None, layers: int, seq: int, point
     from ..models import model_from_config
     from ..template import set_attention
     from ..topology import init_topology
+    from .exact import fake_mask_decisions
 
     small = copy.deepcopy(config)
     small.num_hidden_layers = layers
@@ -243,7 +244,7 @@ def _saved_bytes(config, template: Template | None, layers: int, seq: int, point
                 return t
 
             ids = torch.zeros(1, seq, dtype=torch.long)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fake_mask_decisions():
                 model(input_ids=ids)
     finally:
         if tp > 1:

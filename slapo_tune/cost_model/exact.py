@@ -2,9 +2,14 @@
 
 No memory is allocated and nothing is computed or communicated: ``FakeTensorMode`` carries shapes
 and dtypes, the ``fake`` process-group backend completes every collective instantly, and
-:class:`~slapo_tune.cost_model._tracker.StepMemTracker` follows every tensor. It runs exactly the
+:class:`~slapo_tune.cost_model._tracker.PeakTracker` follows every tensor. It runs exactly the
 code a real rank runs (template, build, the runtime's pipeline schedule, AdamW), so on CPU its
-peak equals a real step's tensor-level peak byte for byte.
+peak equals a real step's tensor-level peak byte for byte, with two differences it makes up for:
+the branches a real step takes on the *values* of tensors (:func:`fake_mask_decisions`) and the
+temporaries of a real backend's collectives (:func:`_backend_temporaries`). What it cannot know is
+when gloo's threads let go of a pipeline send's buffer: a real stage after the first may hold one
+more micro-batch's hidden state at its peak, so exact mode is the optimistic end, the right one
+for pruning (a point is pruned only when even that does not fit).
 
 Ranks that hold the same pipeline stage behave alike (tensor- and data-parallel ranks are
 symmetric), so one run per stage is enough; the worst stage is the one that must fit.
@@ -45,6 +50,76 @@ def _static_pipeline_warmup() -> Iterator[None]:
         yield
     finally:
         schedules._PipelineSchedule._warmup_p2p = original
+
+
+@contextlib.contextmanager
+def fake_mask_decisions() -> Iterator[None]:
+    """Take the attention-mask branch a real step takes.
+
+    Before building a causal mask, transformers checks the position ids for packed sequences
+    (several sequences in one row) by reading their values, which a fake tensor cannot give; it
+    then assumes packing and materialises a full mask, which SDPA keeps for backward (seen: +3.6 %
+    on a GPT-2 step). The runtime passes token ids only, so the model numbers every row 0..s-1 and
+    no row is packed: the answer a real step computes is "not packed", and SDPA runs ``is_causal``
+    without a mask. The check's own tensors are still computed (a real step allocates them too);
+    only the read of its answer is replaced.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
+    from transformers import masking_utils
+
+    original, is_tracing = masking_utils.find_packed_sequence_indices, masking_utils.is_tracing
+
+    def find_packed_sequence_indices(position_ids):
+        if not isinstance(position_ids, FakeTensor):
+            return original(position_ids)
+        # compute what a real step computes (its temporaries count), up to the read of the answer
+        masking_utils.is_tracing = lambda tensor=None: False
+        try:
+            return original(position_ids)
+        except DataDependentOutputException:
+            return None  # the real step's answer: not packed
+        finally:
+            masking_utils.is_tracing = is_tracing
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+class _HeldWork:
+    """A point-to-point work of the fake backend that, like a real backend's, keeps its buffers
+    alive until the work object is dropped (the fake one finishes at once and keeps nothing)."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]):
+        self._work, self._tensors = work, tensors
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+@contextlib.contextmanager
+def _works_hold_their_tensors() -> Iterator[None]:
+    """Pipeline sends and receives keep their buffers while the schedule holds their works (a
+    GPipe stage waits for its backward sends only at the end of the step: with a real backend,
+    every gradient it sent is alive until then)."""
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = original(p2p_ops, desc)
+        tensors = [op.tensor for op in p2p_ops]
+        if len(works) == len(tensors):
+            return [_HeldWork(w, [t]) for w, t in zip(works, tensors)]
+        return [_HeldWork(w, tensors) for w in works]  # one work for the whole batch
+
+    schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 @contextlib.contextmanager
@@ -113,8 +188,8 @@ def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: W
                                 world_size=workload.world_size)
         try:
             topology = init_topology(pp=point["pp"], tp=point["tp"])
-            with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), \
-                    _static_pipeline_warmup(), _backend_temporaries(backend):
+            with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), fake_mask_decisions(), \
+                    _static_pipeline_warmup(), _works_hold_their_tensors(), _backend_temporaries(backend):
                 torch.manual_seed(seed)
                 run = realize(spec, template, point, run_workload, seed=seed, topology=topology)
                 optimizer = make_optimizer(run.stage.parameters())
