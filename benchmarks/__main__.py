@@ -63,12 +63,73 @@ def _pct(x: float) -> str:
     return f"{x * 100:.2f} %"
 
 
+MIN_RANKED = 5  # points below which a Spearman coefficient says nothing (two points give +-1)
+
+
+def targets(mode: str, seconds: dict[str, float]) -> list[tuple[str, str, str, bool | None]]:
+    """(figure, value, target, met) of every stated target the run's results can judge; ``met``
+    is None where the run measured too little to judge it."""
+    out: list[tuple[str, str, str, bool | None]] = []
+
+    def check(figure: str, value: float | None, target: str, met: bool | None, fmt: str = "{:.3f}") -> None:
+        out.append((figure, "-" if value is None else fmt.format(value), target, met))
+
+    for label, e in (_load("headline") or {}).items():
+        if "vs_optimum" in e:
+            ratio = e["vs_optimum"]["ratio"]
+            check(f"{label}: tuned / exhaustive optimum", ratio, ">= 0.97", ratio >= 0.97)
+    search = _load("search_strategies")
+    if search:
+        for name in ("tpe/pruned", "model/pruned"):
+            s = search["strategies"].get(name)
+            if s:
+                median = s["median"]
+                check(f"{name}: trials to 3 % (censored median, {s['runs']} run(s))", median,
+                      f"<= {search['limit']}", median is not None and median <= search["limit"], "{:.0f}")
+    acc = _load("cost_model_accuracy")
+    if acc:
+        a = acc["summary"]
+        for mode_name, med, worst in (("exact", 0.01, 0.03), ("analytic", 0.05, 0.15)):
+            m = a[mode_name]
+            check(f"{mode_name} memory: median |error|", m["median"], f"<= {_pct(med)}", m["median"] <= med, "{:.2%}")
+            check(f"{mode_name} memory: max |error|", m["max"], f"<= {_pct(worst)}", m["max"] <= worst, "{:.2%}")
+        under = min(0.0, a["analytic"]["min_signed"])
+        check("analytic memory: worst under-prediction", under, ">= -10 %", under >= -0.10, "{:.2%}")
+        ranked = a["points"] >= MIN_RANKED
+        check(f"time ranking: Spearman over {a['points']} points", a["time_spearman_all"] if ranked else None,
+              ">= 0.8" + ("" if ranked else f" (needs >= {MIN_RANKED} points)"),
+              a["time_spearman_all"] >= 0.8 if ranked else None)
+    sched = _load("schedule_overhead")
+    if sched:
+        for key, label, limit in (("no_primitives", "no primitives / plain", 1.02),
+                                  ("tp_vs_dtensor", "tensor-parallel block, ours / DTensor", 1.0)):
+            r = sched[key]["ratio_of_medians"]
+            check(label, r, f"<= {limit}", r <= limit)
+    pipe = _load("pipeline_overhead")
+    if pipe:
+        check("pipeline, ours / hand-written", pipe["ratio_of_medians"], "<= 1.05", pipe["ratio_of_medians"] <= 1.05)
+    for world, r in (_load("runner_overhead") or {}).items():
+        if isinstance(r, dict) and "ray_over_local" in r:
+            check(f"runner overhead {world}: Ray / local", r["ray_over_local"], "<= 1.5", r["ray_over_local"] <= 1.5)
+    total, limit = sum(seconds.values()) / 60, 10 if mode == "quick" else 45
+    check("run time (minutes)", total, f"< {limit}", total < limit, "{:.1f}")
+    return out
+
+
 def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> str:
     lines = [f"# slapo-tune benchmark report ({mode})", "",
              f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} on this machine "
              "(CPU, gloo); every ratio was measured side by side in the same run, alternating the variants.", ""]
     for name, error in failures.items():
         lines += [f"**{name} failed:** `{error}`", ""]
+    judged = targets(mode, seconds)
+    missed = [t for t in judged if t[3] is False]
+    lines += ["## Targets", "", f"{len(missed)} of {len(judged)} stated targets missed"
+              + (" (a quick run measures too little to judge most figures)" if mode == "quick" else "") + ".", "",
+              "| figure | value | target | |", "|---|---|---|---|"]
+    lines += [f"| {figure} | {value} | {target} | {'met' if met else '**MISSED**' if met is False else 'not judged'} |"
+              for figure, value, target, met in judged]
+    lines.append("")
     head = _load("headline")
     if head:
         lines += ["## Tuned vs out of the box", "",
@@ -101,13 +162,20 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
     if search:
         lines += ["## Search efficiency (recorded grid, replayed)", "",
                   f"{search['points']} measured points, {search['feasible']} feasible under the budget; target: "
-                  f"within 3 % of the optimum in at most {search['limit']} trials (20 % of the feasible points).", "",
-                  "| strategy | trials to 3 % (median) | replayed time to 3 % (median) | runs | within the limit |",
+                  f"within 3 % of the optimum in at most {search['limit']} trials (20 % of the feasible points). "
+                  "A search that never got within 3 % counts as a miss (worse than any that did): medians and "
+                  "quartiles are censored, never taken over the successes only.", "",
+                  "| strategy | trials to 3 % (censored median, p25-p75) | reached | within the limit | "
+                  "replayed time to 3 % (censored median) |",
                   "|---|---|---|---|---|"]
+
+        def cell(x, unit=""):
+            return "not reached" if x is None else f"{x:.0f}{unit}" if not unit else f"{x:.1f}{unit}"
+
         for name, s in search["strategies"].items():
-            wall = s.get("median_seconds")
-            lines.append(f"| {name} | {s['median']} | {'-' if wall is None else f'{wall:.1f} s'} | {s['runs']} | "
-                         f"{s['within_limit']} |")
+            lines.append(f"| {name} | {cell(s['median'])} ({cell(s.get('p25'))}-{cell(s.get('p75'))}) | "
+                         f"{s.get('reached', 0):.0%} of {s['runs']} | {s['within_limit']} of {s['runs']} | "
+                         f"{cell(s.get('median_seconds'), ' s')} |")
         lines += ["", "Replayed time: each launched trial's warm-up and measured steps at its recorded step time "
                   "(an out-of-memory trial: one step), plus the driver's own time measured in this run."]
         lines.append("")
@@ -120,8 +188,12 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
         for mode in ("exact", "analytic", "analytic_uncalibrated"):
             m = s[mode]
             lines.append(f"| {mode} | {_pct(m['median'])} | {_pct(m['max'])} | {_pct(min(0.0, m['min_signed']))} |")
-        lines += ["", f"Time ranking: Spearman {s['time_spearman_all']:.3f} over all points; per model "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model"].items())
+        ranking = (f"Time ranking: Spearman {s['time_spearman_all']:.3f} over all points; per model "
+                   + ", ".join(f"{k} {v:.3f}" for k, v in s["time_spearman_per_model"].items())
+                   if s["points"] >= MIN_RANKED else
+                   f"Time ranking: not judged ({s['points']} points; a coefficient over fewer than {MIN_RANKED} "
+                   "says nothing)")
+        lines += ["", ranking
                   + f". Exact mode costs {s['exact_seconds_median']:.1f} s per point vs {s['trial_seconds_median']:.1f} s"
                   " for a measured point.", "", "![memory](cost_model_memory.png)", ""]
     lines += ["## Overheads", ""]

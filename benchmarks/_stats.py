@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -18,15 +20,48 @@ def median_iqr(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), q[0], q[2]
 
 
+def censored(values: list[float | None]) -> dict[str, float | None]:
+    """Median and quartiles of runs of which some missed their target (``None``): a miss counts as
+    worse than every run that reached it, never dropped. A quantile that falls on misses is None
+    ("not reached"). Also the fraction of runs that reached the target."""
+    ordered = sorted(math.inf if v is None else v for v in values)
+    if not ordered:
+        return {"median": None, "p25": None, "p75": None, "reached": 0.0}
+
+    def at(q: float) -> float | None:  # linear interpolation between order statistics
+        pos = q * (len(ordered) - 1)
+        lo, hi = ordered[math.floor(pos)], ordered[math.ceil(pos)]
+        value = lo + (hi - lo) * (pos - math.floor(pos)) if math.isfinite(hi) else hi
+        return None if math.isinf(value) else value
+
+    return {"median": at(0.5), "p25": at(0.25), "p75": at(0.75),
+            "reached": sum(1 for v in values if v is not None) / len(values)}
+
+
+def round_orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
+    """The order the variants run in, per round: shuffled with a fixed seed (every rank of a
+    launch draws the same orders), so that no variant always runs first, or always after the
+    same one (warm caches, a neighbour's allocations)."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def alternate(variants: dict[str, Callable[[], None]], steps: int, warmup: int = 2,
-              sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
-    """Run each variant once per round, ``warmup`` rounds unmeasured, then ``steps`` timed rounds.
+              sync: Callable[[], None] | None = None, seed: int = 0) -> dict[str, list[float]]:
+    """Run each variant once per round, ``warmup`` rounds unmeasured, then ``steps`` timed rounds,
+    in a shuffled order per round (:func:`round_orders`).
 
     Alternating makes slow periods of a shared machine hit every variant alike.
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for i in range(warmup + steps):
-        for name, fn in variants.items():
+    for i, order in enumerate(round_orders(list(variants), warmup + steps, seed)):
+        for name in order:
+            fn = variants[name]
             if sync:
                 sync()
             t0 = time.perf_counter()
@@ -53,6 +88,26 @@ def ratio_summary(times: dict[str, list[float]], numerator: str, denominator: st
 def describe(name: str, values: list[float]) -> str:
     med, lo, hi = median_iqr(values)
     return f"{name:<34} median {med * 1e3:8.2f} ms  (p25 {lo * 1e3:.2f}, p75 {hi * 1e3:.2f}, n={len(values)})"
+
+
+RECORDED_CPU = Path(__file__).with_name("data") / "cpu.json"  # the CPU the recorded grids were measured on
+
+
+def isolated_cache(cpu: Path | None = None) -> Path:
+    """Point the cost model's cache (calibrations, layouts, the measured CPU) at a fresh folder for
+    this run, so that nothing a user calibrated or measured before changes a benchmark's figures.
+    With ``cpu``, that description of the CPU is used instead of measuring this one (a replay of a
+    grid recorded on another machine). Child processes inherit the folder."""
+    import atexit
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="slapo-bench-cache-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    if cpu is not None:
+        shutil.copy(cpu, path / "cpu.json")
+    os.environ["SLAPO_TUNE_CACHE"] = str(path)
+    return path
 
 
 def results_dir() -> Path:

@@ -22,7 +22,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks._stats import results_dir, save_json  # noqa: E402
+from benchmarks._stats import isolated_cache, results_dir, save_json  # noqa: E402
 
 MODELS = {
     "gpt2-ref": ("gpt2", {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192}),
@@ -286,6 +286,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--worlds", default="1,2,4", help="comma-separated world sizes")
     args = parser.parse_args(argv)
+    isolated_cache()  # no calibration or measurement from a user's cache
     models = tuple(args.models.split(","))
     worlds = tuple(int(w) for w in args.worlds.split(","))
     if args.quick:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks._stats import save_json  # noqa: E402
+from benchmarks._stats import isolated_cache, save_json  # noqa: E402
 from runners._base import Runner  # noqa: E402
 
 
@@ -66,6 +66,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--trials", type=int, default=1000)
     parser.add_argument("--strategies", default="tpe,random")
     args = parser.parse_args(argv)
+    isolated_cache()  # no calibration or measurement from a user's cache
     strategies = args.strategies.split(",")
     # one process per strategy (the driver is single-threaded Python): both run at once on 2 cores
     with cf.ProcessPoolExecutor(max_workers=max(1, min(len(strategies), os.cpu_count() or 1)),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks._stats import median_iqr, save_json  # noqa: E402
+from benchmarks._stats import isolated_cache, median_iqr, round_orders, save_json  # noqa: E402
 
 MiB = 2**20
 GPT2_REF = ("gpt2", {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192})
@@ -60,8 +60,8 @@ def exhaustive_best(label: str, space, count: int = CONTENDERS) -> list[dict]:
     if path is None or not path.exists():
         return []
     by_key = {tuple(str(p[k]) for k in space.names): p for p in space.enumerate()}
-    with open(path) as f:
-        rows = sorted(csv.DictReader(f), key=lambda r: float(r["step_s"]))
+    with open(path) as f:  # points over the budget were measured for memory only (no step time)
+        rows = sorted((r for r in csv.DictReader(f) if r["step_s"]), key=lambda r: float(r["step_s"]))
     return [by_key[key] for key in (tuple(r[k] for k in space.names) for r in rows[:count]) if key in by_key]
 
 
@@ -106,7 +106,7 @@ def tune(model: tuple, world: int, trials: int, out: Path) -> dict:
 
 
 def side_by_side_rank(ctx, spec, template_name: str, points: dict, workload, rounds: int, warmup: int) -> dict:
-    """All points realised on these ranks; one optimizer step of each per round, in turn."""
+    """All points realised on these ranks; one optimizer step of each per round, in a shuffled order."""
     import torch.distributed as dist
 
     from search_spaces import load_template
@@ -122,8 +122,9 @@ def side_by_side_rank(ctx, spec, template_name: str, points: dict, workload, rou
     batch = synthetic_batch(runs[next(iter(runs))][0].stage.model.config.vocab_size, workload.global_batch,
                             workload.seq_len)
     times = {name: [] for name in points}
-    for i in range(warmup + rounds):
-        for name, (run, optimizer) in runs.items():
+    for i, order in enumerate(round_orders(list(runs), warmup + rounds)):  # the same orders on every rank
+        for name in order:
+            run, optimizer = runs[name]
             dist.barrier()
             t0 = time.perf_counter()
             run.step(batch)
@@ -192,6 +193,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--trials", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args(argv)
+    isolated_cache()  # no calibration or measurement from a user's cache
     labels = ["gpt2-ref w1"] if args.quick else list(WORKLOADS)
     trials = args.trials or (4 if args.quick else 6)
     rounds = args.rounds or (2 if args.quick else 5)

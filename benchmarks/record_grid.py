@@ -1,11 +1,15 @@
 """Record a measured grid: every legal point of a space, trained for real on local ranks.
 
-The small grid (knobs, per-rank peak tensor memory, step times) is the input of the
-search-strategy benchmark and of the replay tests, which answer trials from it instead of running
-them. The reference grid is the exhaustive search of the headline's GPT-2 workload: every point
-that fits its memory budget (exact mode decides) timed for real, so that the headline can say how
-far the tuned schedule is from the best one.
-Run: ``python -m benchmarks.record_grid [--reference] [--out FILE]``.
+The small grid (knobs, per-rank peak memory, step times) is the input of the search-strategy
+benchmark and of the replay tests, which answer trials from it instead of running them. The
+reference grid is the exhaustive search of the headline's GPT-2 workload: every point's peak
+measured, and every point that fits the budget by that measurement timed, so that the headline
+can say how far the tuned schedule is from the best one, and tests can check pruning against it.
+
+Peaks are measured by :func:`slapo_tune.cost_model.measure.measured_peak` (torch's MemTracker on
+CPU), a tool the cost model's predictions do not use. ``--reuse-times`` keeps the step times of
+points already timed in an earlier recording (timings need a quiet machine; memory does not).
+Run: ``python -m benchmarks.record_grid [--reference] [--out FILE] [--reuse-times]``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ def grid_points() -> list[dict]:
     return [p for p in space.enumerate() if all(p[k] == v for k, v in GRID["fixed"].items())]
 
 
+def _key(point: dict) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in point.items()))
+
+
 def _write(rows: list[dict], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -46,33 +54,55 @@ def _write(rows: list[dict], out: Path) -> None:
     print(f"wrote {out}")
 
 
-def _measure(spec, template_name: str, points: list[dict], workload, chunk: int,
-             peaks: list[int] | None = None) -> list[dict]:
-    """Each point trained for real, ``chunk`` points per launch: its step times (the slowest rank
-    per step) and its peak tensor memory (the largest rank's), unless ``peaks`` are known."""
+def _launch_chunks(spec, template_name: str, points: list[dict], workload, chunk: int, timed: int, tracked: int,
+                   what: str) -> list[list[dict]]:
+    """Each point's per-rank reports, ``chunk`` points per launch (ranks start once per chunk)."""
     from slapo_tune.cost_model.measure import measure_points_rank
     from slapo_tune.launch import launch
 
-    rows, t0 = [], time.perf_counter()
+    reports, t0 = [], time.perf_counter()
     for i in range(0, len(points), chunk):
         part = points[i:i + chunk]
         per_rank = launch(measure_points_rank, workload.world_size,
-                          args=(spec, template_name, part, workload, 3, 0 if peaks else 2), timeout=3600)
-        for j, point in enumerate(part):
-            reports = [r[j] for r in per_rank]
+                          args=(spec, template_name, part, workload, timed, tracked), timeout=3600)
+        reports += [[r[j] for r in per_rank] for j in range(len(part))]
+        print(f"{what}: {len(reports)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+    return reports
+
+
+def record(spec, template_name: str, points: list[dict], workload, chunk: int, budget: int | None = None,
+           times_from: Path | None = None) -> list[dict]:
+    """Rows of ``points``: the measured peak (the largest rank's) of every point, and the step
+    times (the slowest rank per step) of every point that fits ``budget`` (all when None), reused
+    from ``times_from`` where that recording timed the point."""
+    tracked = 2 if workload.world_size > 1 else 1  # gloo's late buffers: keep the smaller of two steps
+    peaks = [max(r["total"] for r in reports)
+             for reports in _launch_chunks(spec, template_name, points, workload, chunk, 0, tracked, "memory")]
+    known = {}
+    if times_from is not None and times_from.exists():
+        with open(times_from) as f:
+            known = {_key({k: v for k, v in r.items() if k not in ("peak", "step_s", "step_times")}): r
+                     for r in csv.DictReader(f) if r.get("step_s")}
+    fits = [budget is None or peak <= budget for peak in peaks]
+    to_time = [p for p, fit in zip(points, fits) if fit and _key(p) not in known]
+    timed = dict(zip(map(_key, to_time), _launch_chunks(spec, template_name, to_time, workload, chunk, 3, 0, "time")))
+    rows = []
+    for point, peak, fit in zip(points, peaks, fits):
+        step_s, step_times = "", ""
+        if fit and _key(point) in known:
+            step_s, step_times = known[_key(point)]["step_s"], known[_key(point)]["step_times"]
+        elif fit:
+            reports = timed[_key(point)]
             steps = [max(r["step_times"][k] for r in reports) for k in range(len(reports[0]["step_times"]))]
-            peak = peaks[i + j] if peaks else max(r["total"] for r in reports)
-            rows.append({**point, "peak": peak, "step_s": statistics.median(steps),
-                         "step_times": " ".join(f"{s:.5f}" for s in steps)})
-        print(f"{len(rows)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
+            step_s, step_times = statistics.median(steps), " ".join(f"{s:.5f}" for s in steps)
+        rows.append({**point, "peak": peak, "step_s": step_s, "step_times": step_times})
     return rows
 
 
-def record_reference(out: Path, chunk: int) -> None:
-    """Every point of the headline's GPT-2 workload (world 1) that fits its budget, timed."""
+def record_reference(out: Path, chunk: int, times_from: Path | None) -> None:
+    """Every point of the headline's GPT-2 workload (world 1): its measured peak; timed if it fits."""
     from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
     from search_spaces import template_for
-    from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.realize import ModelSpec
     from slapo_tune.template import ModelInfo, Workload
 
@@ -80,16 +110,9 @@ def record_reference(out: Path, chunk: int) -> None:
     config = spec.config()
     template = template_for(config)
     workload = Workload(1, GLOBAL_BATCH, SEQ)
-    cost = CostModel(spec, template, workload, hardware("cpu"))
-    points, peaks = [], []
-    for point in template.space(ModelInfo.from_config(config), workload).enumerate():
-        verdict = cost.verdict(point, BUDGET, exact=True)
-        if verdict.fits:
-            points.append(point)
-            peaks.append(verdict.predicted)
-    print(f"{len(points)} points fit {BUDGET / 2**20:.0f} MiB", flush=True)
-    # memory from exact mode (byte-exact on CPU): the real steps are only timed
-    rows = _measure(spec, template.name, points, workload, chunk, peaks)
+    points = list(template.space(ModelInfo.from_config(config), workload).enumerate())
+    rows = record(spec, template.name, points, workload, chunk, BUDGET, times_from)
+    print(f"{sum(1 for r in rows if r['step_s'] != '')} of {len(rows)} points fit {BUDGET / 2**20:.0f} MiB")
     _write(rows, out)
 
 
@@ -99,9 +122,13 @@ def main(argv=None) -> None:
                         help="the headline's GPT-2 workload (exhaustive search) instead of the small grid")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--chunk", type=int, default=40, help="points per launch (ranks start once per chunk)")
+    parser.add_argument("--reuse-times", action="store_true",
+                        help="keep the step times the output file already records (measure memory only)")
     args = parser.parse_args(argv)
+    out = args.out or (REFERENCE_OUT if args.reference else DEFAULT_OUT)
+    times_from = out if args.reuse_times else None
     if args.reference:
-        record_reference(args.out or REFERENCE_OUT, args.chunk)
+        record_reference(out, args.chunk, times_from)
         return
 
     from search_spaces import template_for
@@ -109,10 +136,9 @@ def main(argv=None) -> None:
     from slapo_tune.template import Workload
 
     spec = ModelSpec(GRID["model"])
-    template = template_for(spec.config())
     workload = Workload(GRID["world_size"], GRID["global_batch"], GRID["seq_len"])
-    rows = _measure(spec, template.name, grid_points(), workload, args.chunk)
-    _write(rows, args.out or DEFAULT_OUT)
+    _write(record(spec, template_for(spec.config()).name, grid_points(), workload, args.chunk,
+                  times_from=times_from), out)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,9 @@ class VerifyReport:
     max_grad_error: float = 0.0
     max_grad_param: str = ""
     params_compared: int = 0
+    # the reference parameters whose gradients were compared (a tied tensor under each of its
+    # names, a fused parameter's sources): what a caller checks for coverage
+    compared: list[str] = field(default_factory=list)
     modules_compared: int = 0
     modules_skipped: int = 0
     first_divergent_module: Divergence | None = None
@@ -194,26 +197,29 @@ def _full_gradient(module_root: nn.Module, name: str, param: torch.Tensor) -> to
     return spec.assemble(grad) if spec is not None else grad
 
 
-def _reference_gradient(model: nn.Module, name: str, ref_params: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The reference's gradient for ``name``; for a horizontally fused parameter, the gradients of
-    the parameters it was fused from, concatenated."""
+def _reference_gradient(model: nn.Module, name: str, ref_params: dict[str, torch.Tensor]
+                        ) -> tuple[torch.Tensor | None, list[str]]:
+    """The reference's gradient for ``name`` and the reference names it stands for; for a
+    horizontally fused parameter, the gradients of the parameters it was fused from, concatenated."""
     from ._graph import FUSED_FROM
 
     ref = ref_params.get(name)
     if ref is not None:
-        return ref.grad
+        return ref.grad, [name]
     owner, short = _param_owner(model, name)
     st = state_of(owner)
     sources = st.annotations.get(short, {}).get(FUSED_FROM) if st is not None else None
     if not sources or any(ref_params.get(s) is None or ref_params[s].grad is None for s in sources):
-        return None
-    return torch.cat([ref_params[s].grad for s in sources], dim=0)
+        return None, []
+    return torch.cat([ref_params[s].grad for s in sources], dim=0), list(sources)
 
 
 def _compare_gradients(model: nn.Module, reference: nn.Module, report: VerifyReport) -> None:
-    ref_params = dict(reference.named_parameters())
+    # every name of a tied tensor: a pipeline's last stage holds GPT-2's head as its own copy of
+    # the embedding, under the head's name, and its gradient must be the tied tensor's whole one
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
     for name, param in model.named_parameters():
-        ref_grad = _reference_gradient(model, name, ref_params)
+        ref_grad, covers = _reference_gradient(model, name, ref_params)
         if ref_grad is None:
             continue
         if param.grad is None:
@@ -221,6 +227,7 @@ def _compare_gradients(model: nn.Module, reference: nn.Module, report: VerifyRep
             continue
         err = relative_error(_full_gradient(model, name, param), ref_grad)
         report.params_compared += 1
+        report.compared += covers
         if err > report.max_grad_error:
             report.max_grad_error, report.max_grad_param = err, name
         if err > report.tolerance and report.first_divergent_param is None:

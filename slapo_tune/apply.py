@@ -108,6 +108,9 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     if str(template.version) != data["template"]["version"]:
         raise UsageError(f"{where}: template {template.name} is version {template.version} here but the schedule "
                          f"was made with version {data['template']['version']}; re-tune with this slapo-tune")
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and data["seq_len"] > positions:
+        raise UsageError(f"{where}: seq_len {data['seq_len']} is longer than {spec.name}'s {positions} positions")
     workload = Workload(data["world_size"], data["global_batch"], data["seq_len"], data["dtype"])
     space = template.space(ModelInfo.from_config(config), workload)
     knobs = data["knobs"]

@@ -38,4 +38,5 @@ def verify_point(ctx, spec: ModelSpec, template_name: str, point: dict[str, Any]
         "loss_error": None if report is None else report.loss_error,
         "max_grad_error": None if report is None else report.max_grad_error,
         "params": None if report is None else report.params_compared,
+        "compared": [] if report is None else report.compared,
     }

@@ -334,12 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(text: str) -> str:
+    """A message as one printable line: names and values quoted from a user's file or arguments
+    may hold line breaks or other control characters, which are shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except UsageError as exc:
-        print(f"slapo-tune: error: {exc}", file=sys.stderr)
+        print(f"slapo-tune: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except SlapoTuneError as exc:
         print(f"slapo-tune: {str(exc).splitlines()[0]}", file=sys.stderr)

@@ -102,6 +102,10 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
     for key, value in data["knobs"].items():
         if not isinstance(value, (int, float, str)) or isinstance(value, bool):
             raise UsageError(f"{where}: knob {key} has a non-scalar value {value!r}")
+    from .runtime import DTYPES
+
+    if data["dtype"] not in DTYPES:
+        raise UsageError(f"{where}: dtype {data['dtype']!r} is not one of {', '.join(DTYPES)}")
     for name, limit in _LIMITS.items():
         if data[name] < 1:
             raise UsageError(f"{where}: {name} must be positive, got {data[name]}")

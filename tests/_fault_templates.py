@@ -47,16 +47,17 @@ class KilledMidStep(_Faulty):
 
 
 _LEAKED: list = []
+LEAKED_BYTES = 128 * 2**20
 
 
 class LeaksMemoryAndThreads(GPT2Template):
-    """Each rank keeps 256 MiB it never frees and starts a thread that never ends."""
+    """Each rank keeps 128 MiB it never frees and starts a thread that never ends."""
 
     def schedule(self, model, point, topology=None):
         import threading
 
         import torch
 
-        _LEAKED.append(torch.ones(64 * 2**20))  # touched, so resident
+        _LEAKED.append(torch.ones(LEAKED_BYTES // 4))  # touched, so resident
         threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
         return super().schedule(model, point, topology)

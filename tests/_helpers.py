@@ -18,6 +18,16 @@ def token_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> dic
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def uncompared(reference: torch.nn.Module, compared_per_rank) -> list[str]:
+    """The reference's parameters whose gradient no rank compared (a tied tensor counts as compared
+    under any of its names), by their first name."""
+    names: dict[int, list[str]] = {}
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    covered = set().union(*map(set, compared_per_rank))
+    return [aliases[0] for aliases in names.values() if not covered & set(aliases)]
+
+
 def family_module(preset: str):
     return importlib.import_module(f"search_spaces.{FAMILIES[preset]}")
 

@@ -21,7 +21,7 @@ def run_cases(ctx, cases):
         batch = token_batch(ref.config.vocab_size, batch=8, seq=16)
         try:
             rep = st.verify(model, ref, batch, n_microbatches=nmb, pipeline_schedule=schedule)
-            results[case] = {"ok": True, "report": str(rep), "params": rep.params_compared,
+            results[case] = {"ok": True, "report": str(rep), "compared": rep.compared,
                              "tied": list(model.info.tied), "stage": model.info.index,
                              "grad_error": rep.max_grad_error}
         except st.VerificationError as exc:

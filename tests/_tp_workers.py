@@ -17,7 +17,7 @@ def _verify_case(sch, preset):
     try:
         report = st.verify(st.build(sch), ref, batch)
         return {"ok": True, "report": str(report), "grad_error": report.max_grad_error,
-                "params": report.params_compared}
+                "compared": report.compared}
     except st.VerificationError as exc:
         return {"ok": False, "report": str(exc)}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -13,6 +14,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 _SESSION_TMP = tempfile.mkdtemp(prefix="slapo-tune-tests-")
 os.environ["TMPDIR"] = _SESSION_TMP  # children (ranks, Ray) inherit a private temp dir
 tempfile.tempdir = _SESSION_TMP
+# Nothing from the user's cache (calibrations, layouts, the measured CPU) reaches the tests: a
+# session cache holding only the description of the CPU the recorded grids were measured on, so
+# that cost-model rankings do not depend on this machine's load while it measures itself.
+_CACHE = os.path.join(_SESSION_TMP, "cache")
+os.makedirs(_CACHE)
+shutil.copy(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "data", "cpu.json"), _CACHE)
+os.environ["SLAPO_TUNE_CACHE"] = _CACHE
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import helpers from this folder
 
@@ -110,6 +118,4 @@ def ray_cluster():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import shutil
-
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)

@@ -19,6 +19,8 @@ import pytest
 
 from slapo_tune.schedule_file import read_schedule
 
+from _fault_templates import LEAKED_BYTES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A replayed study (recorded trials, no training) whose outputs and journal go to OUT.
@@ -31,11 +33,23 @@ REPLAY_STUDY = textwrap.dedent("""
 
     out, trials = Path(sys.argv[1]), int(sys.argv[2])
     limit = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    hang_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+
+
+    class Hangs(ReplayRunner):  # the trial launched as number `hang_at` never returns
+        def run(self, spec):
+            if len(self.launched) == hang_at:
+                (out / "hanging").write_text(spec.name)
+                import time
+                time.sleep(3600)
+            return super().run(spec)
+
+
     results, budget = load_grid()
     config = TuneConfig(model=GRID["model"], world_size=GRID["world_size"], memory_budget=budget, out=out,
                         global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], trials=trials, strategy="tpe",
                         seed=0, prune="analytic", space="benchmarks.search_strategies:FixedAttention")
-    tuner = Tuner(config, ReplayRunner(results))
+    tuner = Tuner(config, Hangs(results))
     tuner.open_study()
     if limit:  # from here on, no file may grow past `limit` bytes: a full disk quota
         import resource, signal
@@ -50,22 +64,32 @@ REPLAY_STUDY = textwrap.dedent("""
 """)
 
 
+def _replay_command(out: Path, trials: int, limit: int = 0, hang_at: int = -1) -> list[str]:
+    return [sys.executable, "-c", REPLAY_STUDY, str(out), str(trials), str(limit), str(hang_at)]
+
+
+def _replay_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _replay(out: Path, trials: int, limit: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", REPLAY_STUDY, str(out), str(trials), *([str(limit)] if limit else [])],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.run(_replay_command(out, trials, limit), env=_replay_env(), capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
 
 
-def _finished(out: Path) -> dict[str, str]:
-    """Point -> status of every trial recorded in the study journal."""
+def _trials(out: Path) -> list:
     import optuna
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
     storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
-    study = optuna.load_study(storage=storage, study_name=out.name)
+    return optuna.load_study(storage=storage, study_name=out.name).trials
+
+
+def _finished(out: Path) -> dict[str, str]:
+    """Point -> status of every trial recorded in the study journal."""
     points = {}
-    for t in study.trials:
+    for t in _trials(out):
         status = t.user_attrs.get("status")
         if t.state.is_finished() and "point" in t.user_attrs and status not in (None, "pruned", "duplicate",
                                                                                  "interrupted"):
@@ -98,6 +122,47 @@ def test_damaged_last_journal_record_is_cut_and_the_study_resumes(tmp_path):
     _schedule_is_whole(out)
 
 
+def test_resume_requeues_the_interrupted_trial_and_keeps_every_finished_result(tmp_path):
+    """The driver is SIGKILLed while its 5th trial runs. Re-running the same command keeps every
+    finished trial exactly (values, status, measurements, predictions), runs the interrupted point
+    again (once, as a retry of it) and then only new points, until the requested count."""
+    out = tmp_path / "study"
+    driver = subprocess.Popen(_replay_command(out, 8, hang_at=4), env=_replay_env(), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "hanging").exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (out / "hanging").exists(), "the driver never reached the hanging trial"
+    finally:
+        driver.kill()  # SIGKILL, by PID
+        driver.wait(timeout=60)
+
+    def by_number(trials):
+        return {t.number: (t.state.name, t.values, t.user_attrs.get("status"), t.user_attrs.get("point"),
+                           t.user_attrs.get("result"), t.user_attrs.get("predicted")) for t in trials}
+
+    before = _trials(out)
+    finished = {n: v for n, v in by_number(before).items() if v[0] != "RUNNING"}
+    running = [t for t in before if t.state.name == "RUNNING"]
+    assert len(running) == 1 and running[0].user_attrs["point"]
+    launched = [v for v in finished.values() if v[2] in ("ok", "oom")]
+    assert len(launched) == 4  # four trials measured before the kill
+
+    resumed = _replay(out, 8)
+    assert resumed.returncode == 0 and "DONE 8" in resumed.stdout, resumed.stderr[-2000:]
+    after = _trials(out)
+    now = by_number(after)
+    for number, record in finished.items():  # nothing finished is lost or changed
+        assert now[number] == record, number
+    interrupted = now[running[0].number]
+    assert interrupted[0] == "FAIL" and interrupted[2] == "interrupted"
+    retries = [t for t in after if t.user_attrs.get("retry_of") == running[0].number]
+    assert len(retries) == 1 and retries[0].user_attrs["point"] == running[0].user_attrs["point"]
+    assert retries[0].user_attrs["status"] in ("ok", "oom")  # the interrupted point ran again, once
+    assert len(_finished(out)) == 8  # launched points, none twice (_finished checks)
+
+
 def test_full_disk_stops_with_one_line_and_loses_nothing(tmp_path):
     out = tmp_path / "study"
     first = _replay(out, 4)
@@ -122,7 +187,6 @@ def test_full_disk_stops_with_one_line_and_loses_nothing(tmp_path):
     _schedule_is_whole(out)
 
 
-@pytest.mark.slow  # two 256 MiB ranks: timed out once on a loaded 2-core CI run (passes alone in ~20 s)
 def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_children):
     from runners import LocalRunner
     from runners.trial import TrialSpec
@@ -138,7 +202,7 @@ def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_ch
     finally:
         runner.close()
     assert leaky.status == "ok" and clean.status == "ok", (leaky.error, clean.error)
-    leaked = 256 * 2**20
+    leaked = LEAKED_BYTES
     # every rank of the leaky trial held the leak; the next trial's ranks start fresh
     assert min(leaky.peak_rss) > leaked
     assert max(clean.peak_rss) < min(leaky.peak_rss) - leaked // 2

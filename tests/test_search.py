@@ -1,13 +1,20 @@
-"""Search strategies replayed on a recorded grid of measured trials (no training runs here):
-TPE and the cost-model ranking reach 3 % of the grid's optimum within 20 % of its feasible
-points; no point is launched twice; pruned points are never launched; the frontier walk never
-launches a point that a known out-of-memory result already rules out."""
+"""Search strategies replayed on a recorded grid of measured trials (no training runs here), and
+pruning judged against the recorded grids' measured peaks (torch's MemTracker on real steps).
+
+The cost model describes the CPU the grids were recorded on (``benchmarks/data/cpu.json``, put in
+the session's cache by ``conftest``); no calibration from a user's cache applies."""
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 
-from benchmarks.search_strategies import load_grid, replay_tuner, search, trials_to_within
+from benchmarks._stats import censored
+from benchmarks.search_strategies import KNOB_TYPES, load_grid, replay_tuner, search, trials_to_within
+from slapo_tune.space import point_key
+
+SEEDS = range(8)
 
 
 @pytest.fixture(scope="module")
@@ -17,25 +24,42 @@ def grid():
     return results, budget, max(r.samples_per_s for r in feasible), max(1, int(0.2 * len(feasible)))
 
 
-@pytest.mark.parametrize("strategy,seed", [("model", 0), ("tpe", 0)])  # the spread over seeds: benchmarks.search_strategies
-def test_reaches_3_percent_of_the_optimum_within_20_percent_of_the_grid(grid, strategy, seed):
+def test_the_cost_model_ranking_reaches_3_percent_within_20_percent_of_the_grid(grid):
     results, budget, optimum, limit = grid
-    launched, _ = search(strategy, seed, "analytic", results, budget, trials=limit)
+    launched, _ = search("model", 0, "analytic", results, budget, trials=limit)
     found = trials_to_within(launched, optimum)
     assert found is not None and found <= limit, (found, limit)
 
 
-@pytest.mark.parametrize("strategy", ["tpe", "random", "grid", "frontier", "model"])
-def test_no_point_twice_and_pruned_points_never_launched(grid, strategy):
+def test_tpe_trials_to_3_percent_over_seeds(grid):
+    """The default sampler depends on its seed, so its claim is a distribution over seeds (a search
+    that misses counts as a miss, never dropped): over 8 seeds, every search reaches 3 % of the
+    optimum within three times the limit (20 % of the feasible points), and the censored median
+    within twice the limit. Seen over 20 seeds (benchmarks.search_strategies): median 25, p25 13,
+    p75 46 trials, 11 of 20 within the limit of 26: TPE alone does not meet the limit reliably."""
+    results, budget, optimum, limit = grid
+    counts = [trials_to_within(search("tpe", seed, "analytic", results, budget, trials=3 * limit)[0], optimum)
+              for seed in SEEDS]
+    spread = censored(counts)
+    assert spread["reached"] == 1.0, counts
+    assert spread["median"] is not None and spread["median"] <= 2 * limit, counts
+
+
+@pytest.mark.parametrize("strategy,concurrency", [("tpe", 1), ("random", 1), ("grid", 1), ("frontier", 1),
+                                                  ("model", 1), ("tpe", 2), ("tpe", 4), ("random", 4)])
+def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurrency):
+    """With trials in flight (concurrency > 1) the sampler does not know the running points yet:
+    the driver must still never launch one twice."""
     results, budget, _, _ = grid
-    tuner, runner = replay_tuner(strategy, 0, "analytic", results, budget, trials=30)
+    tuner, runner = replay_tuner(strategy, 0, "analytic", results, budget, trials=30, concurrency=concurrency)
     summary = tuner.run()
-    keys = [tuple(sorted(p.items())) for p in runner.launched]
+    keys = [point_key(p) for p in runner.launched]
     assert len(keys) == len(set(keys)) == summary["launched"] == 30
-    pruned = [t.user_attrs["point"] for t in tuner.study.trials if t.user_attrs.get("status") == "pruned"]
-    assert not {tuple(sorted(p.items())) for p in pruned} & set(keys)
-    for p in pruned:
-        assert not tuner.cost.verdict(p, budget).fits
+    pruned = {point_key(t.user_attrs["point"]) for t in tuner.study.trials if t.user_attrs.get("status") == "pruned"}
+    assert not pruned & set(keys)
+    assert pruned or strategy == "model"  # the model ranking never proposes what it would prune
+    measured = {point_key(r.knobs): r.peak_memory[0] for r in results}
+    assert all(measured[k] > budget for k in pruned)  # what was pruned does not fit, by measurement
 
 
 def test_frontier_skips_points_an_oom_rules_out(grid):
@@ -54,9 +78,62 @@ def test_frontier_skips_points_an_oom_rules_out(grid):
     assert ooms  # the walk did meet the frontier
 
 
-def test_recorded_exhaustive_search_is_the_headline_workloads_fitting_points():
-    import csv
+# ------------------------------------------------------------------ pruning vs measured peaks
+def _recorded(path) -> list[tuple[dict, int]]:
+    with open(path) as f:
+        return [({k: KNOB_TYPES.get(k, str)(v) for k, v in r.items() if k not in ("peak", "step_s", "step_times")},
+                 int(r["peak"])) for r in csv.DictReader(f)]
 
+
+def _grids():
+    """(label, cost model, recorded points with their measured peaks, budget) of both grids."""
+    from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
+    from benchmarks.record_grid import DEFAULT_OUT, GRID, REFERENCE_OUT
+    from search_spaces import template_for
+    from slapo_tune.cost_model import CostModel, hardware
+    from slapo_tune.realize import ModelSpec
+    from slapo_tune.template import Workload
+
+    _, small_budget = load_grid()
+    out = []
+    for label, spec, workload, path, budget in (
+            ("gpt2-tiny w2", ModelSpec(GRID["model"]), Workload(GRID["world_size"], GRID["global_batch"],
+                                                                 GRID["seq_len"]), DEFAULT_OUT, small_budget),
+            ("gpt2-ref w1", ModelSpec(GPT2_REF[0], dict(GPT2_REF[1])), Workload(1, GLOBAL_BATCH, SEQ),
+             REFERENCE_OUT, BUDGET)):
+        model = CostModel(spec, template_for(spec.config()), workload, hardware("cpu"))
+        out.append((label, model, _recorded(path), budget))
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded_grids():
+    return _grids()
+
+
+def test_analytic_pruning_never_discards_a_point_measured_to_fit(recorded_grids):
+    """Every recorded point, with its own measured peak as the budget (the tightest budget it fits):
+    the analytic model's margin keeps it."""
+    for label, model, points, _ in recorded_grids:
+        assert model.calibration.source == "default" and len(points) >= 100
+        pruned = [(p, peak, model.memory(p).lower) for p, peak in points if not model.verdict(p, peak).fits]
+        assert not pruned, (label, len(pruned), pruned[:2])
+
+
+def test_exact_pruning_never_discards_a_point_measured_to_fit(recorded_grids):
+    """Exact mode costs seconds a point: the points whose measured peak is nearest the budget from
+    below (the ones pruning can wrongly discard) and the nearest above, per grid."""
+    for label, model, points, budget in recorded_grids:
+        below = sorted((p for p in points if p[1] <= budget), key=lambda x: budget - x[1])[:3]
+        above = sorted((p for p in points if p[1] > budget), key=lambda x: x[1] - budget)[:1]
+        for point, peak in below:
+            verdict = model.verdict(point, budget, exact=True)
+            assert verdict.fits and verdict.predicted <= peak, (label, point, peak, verdict)
+        for point, peak in above:  # exact mode is the optimistic end: never above the measurement
+            assert model.verdict(point, budget, exact=True).predicted <= peak, (label, point, peak)
+
+
+def test_recorded_exhaustive_search_is_the_headline_workloads_every_point():
     from benchmarks.headline import BUDGET, EXHAUSTIVE, GLOBAL_BATCH, GPT2_REF, SEQ, exhaustive_best
     from search_spaces import template_for
     from slapo_tune.realize import ModelSpec
@@ -67,10 +144,11 @@ def test_recorded_exhaustive_search_is_the_headline_workloads_fitting_points():
     with open(EXHAUSTIVE["gpt2-ref w1"]) as f:
         rows = list(csv.DictReader(f))
     legal = {tuple(str(p[k]) for k in space.names) for p in space.enumerate()}
-    assert rows and all(tuple(r[k] for k in space.names) in legal for r in rows)
-    assert all(int(r["peak"]) <= BUDGET for r in rows)
+    assert {tuple(r[k] for k in space.names) for r in rows} == legal  # every legal point, measured
+    timed = [r for r in rows if r["step_s"]]
+    assert timed and all((int(r["peak"]) <= BUDGET) == bool(r["step_s"]) for r in rows)  # timed iff it fits
     best = exhaustive_best("gpt2-ref w1", space)
-    fastest = sorted(rows, key=lambda r: float(r["step_s"]))[:len(best)]
+    fastest = sorted(timed, key=lambda r: float(r["step_s"]))[:len(best)]
     assert len(best) == 3 and [tuple(str(p[k]) for k in space.names) for p in best] == \
         [tuple(r[k] for k in space.names) for r in fastest]
     assert exhaustive_best("llama-ref w4", space) == []

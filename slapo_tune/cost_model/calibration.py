@@ -104,10 +104,18 @@ def fit(samples: Sequence[tuple[Mapping[str, Mapping[str, float]], float]], sour
 def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, float]:
     """Time-term weights from (time terms of a point, its measured step seconds) pairs, by
     non-negative least squares on relative errors: what this device really achieves for this
-    model (small matrices, Python overhead, gloo) rather than its peak rates."""
+    model (small matrices, Python overhead, gloo) rather than its peak rates.
+
+    A weight per term needs more points than terms: with fewer, any weights fit them exactly and
+    say nothing about other points, so only one common scale is fitted (it keeps the model's
+    ranking and corrects its level)."""
     if not samples:
         return dict(DEFAULT_TIME_WEIGHTS)
     a = np.array([[terms.get(k, 0.0) / y for k in TIME_TERMS] for terms, y in samples])
+    if len(samples) <= len(TIME_TERMS):
+        totals = a.sum(axis=1)
+        scale = float(totals.sum() / (totals ** 2).sum()) if totals.any() else 1.0
+        return {k: scale * DEFAULT_TIME_WEIGHTS[k] for k in TIME_TERMS}
     x = nnls(a, np.ones(len(samples)))
     return {k: float(v) for k, v in zip(TIME_TERMS, x)}
 

@@ -1,0 +1,254 @@
+"""Mutation testing: break the code on purpose in a scratch copy and see the tests fail.
+
+``python tests/mutation.py named`` applies each mutation of :data:`NAMED` (faults the suite once
+let pass) to its own scratch copy of the checkout and runs the default tests meant to catch it;
+every one must fail. ``python tests/mutation.py sweep [--modules ...]`` runs cosmic-ray
+(``pip install -e '.[mutation]'``) over the modules that carry the project's claims
+(:data:`SWEEP`), each with the default tests that exercise it, and prints killed / survived per
+module. Both write a Markdown table to ``results/mutation/`` and never touch the checkout itself:
+mutants live in copies (the ranks a test spawns import the mutated copy through ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "results" / "mutation"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # file, relative to the repository root
+    old: str  # text replaced (must occur exactly once)
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (default tests) expected to fail
+
+
+NAMED = (
+    Mutation("the prediction's tracker ignores every allocation in backward", "slapo_tune/cost_model/_tracker.py",
+             "                        tracker._add(t, category)",
+             "                        if category != \"backward\":\n                            tracker._add(t, category)",
+             ("tests/test_cost_model.py::test_exact_mode_matches_a_measured_real_step",
+              "tests/test_cost_model.py::test_the_prediction_tracker_and_torch_memtracker_agree_on_real_steps")),
+    Mutation("exact mode materialises the causal mask a real SDPA step does not",
+             "slapo_tune/cost_model/exact.py", "fake_friendly_optimizers(), fake_mask_decisions(), \\",
+             "fake_friendly_optimizers(), \\",
+             ("tests/test_cost_model.py::test_exact_mode_matches_a_measured_real_step",)),
+    Mutation("exact mode's pipeline works let go of their buffers at once", "slapo_tune/cost_model/exact.py",
+             "_static_pipeline_warmup(), _works_hold_their_tensors(), _backend_temporaries(backend):",
+             "_static_pipeline_warmup(), _backend_temporaries(backend):",
+             ("tests/test_cost_model.py::test_exact_mode_matches_a_measured_real_step",)),
+    Mutation("analytic pruning keeps no margin", "slapo_tune/cost_model/__init__.py",
+             "        if pred.lower > budget:", "        if pred.peak > budget:",
+             ("tests/test_search.py::test_analytic_pruning_never_discards_a_point_measured_to_fit",)),
+    Mutation("training ignores the schedule's dtype", "slapo_tune/runtime.py",
+             '        if self.dtype == "fp32":', '        if True:',
+             ("tests/test_train.py::test_a_bf16_schedule_trains_under_autocast",)),
+    Mutation("a schedule file's unknown dtype is accepted", "slapo_tune/schedule_file.py",
+             '    if data["dtype"] not in DTYPES:', '    if False:',
+             ("tests/test_train.py::test_bad_schedule_is_one_line_exit_2",
+              "tests/test_train.py::test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run")),
+    Mutation("the driver forgets the points in flight", "slapo_tune/search/_driver.py",
+             "            if key in self.known or key in self._in_flight_keys():",
+             "            if key in self.known:",
+             ("tests/test_search.py::test_no_point_twice_and_pruned_points_never_launched",)),
+    Mutation("resume never re-queues an interrupted trial", "slapo_tune/search/_driver.py",
+             '                    self.study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": t.number})',
+             "                    pass",
+             ("tests/test_faults.py::test_resume_requeues_the_interrupted_trial_and_keeps_every_finished_result",)),
+    Mutation("data parallelism sums full gradient buckets instead of averaging them", "slapo_tune/_data_parallel.py",
+             "            flat /= size", "            if g is None:\n                flat /= size",
+             ("tests/test_templates_verify.py::test_data_parallel_averages_every_full_gradient_bucket",)),
+    Mutation("the tied head's gradient is not summed across pipeline stages", "slapo_tune/runtime.py",
+             "        if topo.pp > 1 and info.tied:", "        if False:",
+             ("tests/test_parallel_3d.py::test_every_case_verifies",)),
+)
+
+# module -> the default tests that exercise it (the sweep runs them, fastest first, for each mutant)
+SWEEP = {
+    "slapo_tune/_data_parallel.py": ["tests/test_templates_verify.py::test_data_parallel_averages_every_full_gradient_bucket",
+                                     "tests/test_parallel_3d.py"],
+    "slapo_tune/_comm.py": ["tests/test_tensor_parallel.py"],
+    "slapo_tune/_sharding.py": ["tests/test_build.py", "tests/test_primitive_errors.py",
+                                "tests/test_tensor_parallel.py"],
+    "slapo_tune/runtime.py": ["tests/test_parallel_3d.py", "tests/test_train.py::test_a_bf16_schedule_trains_under_autocast"],
+    "slapo_tune/cost_model/exact.py": ["tests/test_cost_model.py::test_exact_mode_matches_a_measured_real_step",
+                                       "tests/test_cost_model.py::test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter"],
+    "slapo_tune/search/_driver.py": ["tests/test_search.py", "tests/test_faults.py"],
+    "slapo_tune/schedule_file.py": ["tests/test_schedule_file.py", "tests/test_train.py::test_bad_schedule_is_one_line_exit_2",
+                                    "tests/test_train.py::test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run"],
+    "slapo_tune/train.py": ["tests/test_train.py"],
+}
+
+
+def scratch_copy() -> Path:
+    """A copy of the checkout's tracked and untracked (not ignored) files."""
+    dest = Path(tempfile.mkdtemp(prefix="slapo-mutant-"))
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / name).is_file():
+            shutil.copy2(ROOT / name, target)
+    return dest
+
+
+def _env(copy: Path) -> dict[str, str]:
+    # the copy first on the path: this process's tests, spawned ranks and Ray workers import it
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(copy), os.environ.get("PYTHONPATH")])),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[int, list[str], float]:
+    """(pytest's exit code, the tests that failed, seconds) in ``copy``; stops at the first failure."""
+    report = copy / ".mutation-report.xml"
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                               f"--junitxml={report}", *tests], cwd=copy, env=_env(copy), capture_output=True,
+                              text=True, timeout=timeout, start_new_session=True)
+        code = done.returncode
+    except subprocess.TimeoutExpired:
+        return -1, ["(timed out)"], time.monotonic() - t0
+    failed = []
+    if report.exists():
+        import xml.etree.ElementTree as ET
+
+        for case in ET.parse(report).iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(f"{case.get('classname')}::{case.get('name')}")
+    return code, failed, time.monotonic() - t0
+
+
+def apply(copy: Path, mutation: Mutation) -> None:
+    path = copy / mutation.path
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        raise SystemExit(f"{mutation.name}: the text to replace occurs {text.count(mutation.old)} times in "
+                         f"{mutation.path} (expected once); update NAMED")
+    path.write_text(text.replace(mutation.old, mutation.new))
+
+
+def named(only: str | None, timeout: float) -> int:
+    """Every named mutation must make at least one of its tests fail; the unmutated copy passes them."""
+    mutations = [m for m in NAMED if only is None or only in m.name]
+    baseline = scratch_copy()
+    try:
+        tests = sorted({t for m in mutations for t in m.tests})
+        code, failed, seconds = run_tests(baseline, tests, timeout)
+        if code != 0:
+            print(f"the unmutated copy fails its tests ({failed}): fix that first", file=sys.stderr)
+            return 1
+        print(f"unmutated copy: {len(tests)} test node(s) pass ({seconds:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(baseline, ignore_errors=True)
+    rows, survivors = [], 0
+    for m in mutations:
+        copy = scratch_copy()
+        try:
+            apply(copy, m)
+            code, failed, seconds = run_tests(copy, list(m.tests), timeout)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        killed = code != 0
+        survivors += not killed
+        rows.append({"mutation": m.name, "file": m.path, "killed": killed, "failing": failed, "seconds": seconds})
+        print(f"{'killed  ' if killed else 'SURVIVED'} {m.name}: {', '.join(failed) or '-'} ({seconds:.0f} s)",
+              flush=True)
+    _write("named", rows, ["| mutation | file | failing default test | |", "|---|---|---|---|"] + [
+        f"| {r['mutation']} | `{r['file']}` | {'<br>'.join(f'`{t}`' for t in r['failing']) or '-'} | "
+        f"{'killed' if r['killed'] else '**survived**'} |" for r in rows])
+    return 1 if survivors else 0
+
+
+def sweep(modules: list[str], timeout: float, operators: str | None) -> int:
+    """cosmic-ray over each module in its own scratch copy, with that module's tests."""
+    if shutil.which("cosmic-ray") is None and not (Path(sys.executable).parent / "cosmic-ray").exists():
+        raise SystemExit("cosmic-ray is not installed: pip install -e '.[mutation]'")
+    tool = str(Path(sys.executable).parent / "cosmic-ray")
+    summary = {}
+    for module in modules:
+        copy = scratch_copy()
+        tests = " ".join(SWEEP[module])
+        config = copy / "cosmic-ray.toml"
+        excluded = [f'"{op}"' for op in (operators or "").split(",") if op]
+        config.write_text(
+            "[cosmic-ray]\n"
+            f'module-path = "{module}"\n'
+            f"timeout = {timeout}\n"
+            'excluded-modules = []\n'
+            f'test-command = "{sys.executable} -m pytest -q -x -p no:cacheprovider {tests}"\n'
+            '[cosmic-ray.distributor]\nname = "local"\n'
+            f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [{', '.join(excluded)}]\n")
+        session = copy / "session.sqlite"
+        env = _env(copy)
+        t0 = time.monotonic()
+        subprocess.run([tool, "init", str(config), str(session)], cwd=copy, env=env, check=True)
+        if excluded:
+            subprocess.run([str(Path(tool).with_name("cr-filter-operators")), str(session), str(config)], cwd=copy,
+                           env=env, check=True)
+        subprocess.run([tool, "exec", str(config), str(session)], cwd=copy, env=env, check=True)
+        dump = subprocess.run([tool, "dump", str(session)], cwd=copy, env=env, check=True, capture_output=True,
+                              text=True).stdout
+        killed, survived, skipped, survivors = 0, 0, 0, []
+        for line in filter(None, dump.splitlines()):
+            item, result = json.loads(line)
+            if result is None or result.get("worker_outcome") == "skipped":
+                skipped += 1
+                continue
+            if result.get("test_outcome") == "survived":
+                survived += 1
+                mutation = item["mutations"][0]
+                survivors.append(f"{mutation['module_path']}:{mutation['start_pos'][0]} {mutation['operator_name']}"
+                                 f" #{mutation['occurrence']}")
+            else:
+                killed += 1
+        summary[module] = {"killed": killed, "survived": survived, "skipped": skipped, "survivors": survivors,
+                           "minutes": (time.monotonic() - t0) / 60}
+        shutil.rmtree(copy, ignore_errors=True)
+        print(f"{module}: {killed} killed, {survived} survived, {skipped} skipped "
+              f"({summary[module]['minutes']:.1f} min)", flush=True)
+    _write("sweep", summary, ["| module | killed | survived | survivors (line, operator) |", "|---|---|---|---|"] + [
+        f"| `{m}` | {s['killed']} | {s['survived']} | {'<br>'.join(s['survivors'][:40])} |"
+        for m, s in summary.items()])
+    return 0
+
+
+def _write(kind: str, data, table: list[str]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{kind}.json").write_text(json.dumps(data, indent=1))
+    (OUT / f"{kind}.md").write_text("\n".join(table) + "\n")
+    print(f"wrote {OUT / f'{kind}.md'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    n = sub.add_parser("named", help="each named mutation must fail a default test")
+    n.add_argument("--only", default=None, help="the mutations whose name contains this text")
+    n.add_argument("--timeout", type=float, default=1200)
+    s = sub.add_parser("sweep", help="cosmic-ray over the modules that carry the claims")
+    s.add_argument("--modules", nargs="+", default=list(SWEEP), choices=list(SWEEP))
+    s.add_argument("--timeout", type=float, default=600, help="seconds per mutant's test run")
+    s.add_argument("--exclude-operators", default=None,
+                   help="comma-separated regexes of cosmic-ray operators to leave out")
+    args = parser.parse_args(argv)
+    if args.command == "named":
+        return named(args.only, args.timeout)
+    return sweep(args.modules, args.timeout, args.exclude_operators)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
