@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_VERBOSITY := error
 
-.PHONY: setup tune test lint bench clean
+.PHONY: setup tune test lint bench mutants clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+mutants: $(STAMP)
+	$(PY) tests/mutation.py named
 
 clean:
 	rm -rf $(VENV) build *.egg-info

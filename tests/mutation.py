@@ -73,6 +73,17 @@ NAMED = (
     Mutation("the tied head's gradient is not summed across pipeline stages", "slapo_tune/runtime.py",
              "        if topo.pp > 1 and info.tied:", "        if False:",
              ("tests/test_parallel_3d.py::test_every_case_verifies",)),
+    Mutation("verify compares only the first ten gradients", "slapo_tune/_verify.py",
+             "    for name, param in model.named_parameters():",
+             "    for name, param in list(model.named_parameters())[:10]:",
+             ("tests/test_tensor_parallel.py::test_tensor_parallel_matches_unscheduled",)),
+    Mutation("calibration fits nothing (the default weights come back)", "slapo_tune/cost_model/calibration.py",
+             "        x = nnls(a, b)", "        x = np.array([DEFAULT_WEIGHTS[k] for k in columns])",
+             ("tests/test_cost_model.py::test_calibration_improves_held_out_points_and_is_cached",)),
+    Mutation("the training job steps with a 10 % larger learning rate", "slapo_tune/train.py",
+             "    optimizer = torch.optim.AdamW(run.stage.parameters(), lr=config.lr)",
+             "    optimizer = torch.optim.AdamW(run.stage.parameters(), lr=config.lr * 1.1)",
+             ("tests/test_train.py::test_tuned_schedule_trains_like_the_unscheduled_model",)),
 )
 
 # module -> the default tests that exercise it (the sweep runs them, fastest first, for each mutant)
