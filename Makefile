@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 tune: $(STAMP)
 	$(VENV)/bin/slapo-tune tune
 
+# two workers, a test file each at a time: the suite's ranks and Ray leave half of 2 cores idle
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -11,7 +11,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-_SESSION_TMP = tempfile.mkdtemp(prefix="slapo-tune-tests-")
+# under /tmp itself, not $TMPDIR: a pytest-xdist worker inherits the controller's session dir as
+# $TMPDIR, and Ray's socket paths under a nested dir exceed the 107 bytes AF_UNIX allows
+_SESSION_TMP = tempfile.mkdtemp(prefix="slapo-tune-tests-", dir="/tmp")
 os.environ["TMPDIR"] = _SESSION_TMP  # children (ranks, Ray) inherit a private temp dir
 tempfile.tempdir = _SESSION_TMP
 # Nothing from the user's cache (calibrations, layouts, the measured CPU) reaches the tests: a

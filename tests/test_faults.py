@@ -195,6 +195,10 @@ def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_ch
         return TrialSpec(model="gpt2-tiny", knobs={"tp": 1, "pp": 1, "micro_batch": 2}, world_size=2, global_batch=8,
                          seq_len=32, template=template, warmup_steps=1, measured_steps=2, name=name)
 
+    import torch
+
+    # the launcher holds more than any rank: a rank's peak must be its own, not inherited across exec
+    launcher = torch.ones(2**30 // 4)
     runner = LocalRunner()
     try:
         leaky = runner.run(spec("_fault_templates:LeaksMemoryAndThreads", "leaky"))
@@ -206,6 +210,7 @@ def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_ch
     # every rank of the leaky trial held the leak; the next trial's ranks start fresh
     assert min(leaky.peak_rss) > leaked
     assert max(clean.peak_rss) < min(leaky.peak_rss) - leaked // 2
+    assert max(leaky.peak_rss) < launcher.numel() * 4
 
 
 @pytest.mark.slow

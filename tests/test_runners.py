@@ -55,7 +55,7 @@ def test_illegal_knobs_are_invalid_without_launching(no_leftover_children):
 
 @pytest.mark.parametrize("fault,status,limit,message", [
     ("Raises", "crash", 120, "rank 1 raised RuntimeError: injected failure in block 0"),
-    ("Hangs", "timeout", 40, "timed out after 40 s"),
+    ("Hangs", "timeout", 25, "timed out after 25 s"),
     ("KilledMidStep", "crash", 120, "rank 1 died (signal 9)"),
 ])
 def test_failing_rank_is_reported_and_the_next_trial_runs(fault, status, limit, message, no_leftover_children):
