@@ -91,18 +91,24 @@ NAMED = (
 
 # module -> the default tests that exercise it (the sweep runs them, fastest first, for each mutant)
 SWEEP = {
-    "slapo_tune/_data_parallel.py": ["tests/test_templates_verify.py::test_data_parallel_averages_every_full_gradient_bucket",
+    "slapo_tune/_data_parallel.py": ["tests/test_build.py::test_zero3_makes_every_block_its_own_sharded_unit",
+                                     "tests/test_templates_verify.py::test_data_parallel_averages_every_full_gradient_bucket",
                                      "tests/test_parallel_3d.py"],
     "slapo_tune/_comm.py": ["tests/test_tensor_parallel.py"],
     "slapo_tune/_sharding.py": ["tests/test_build.py", "tests/test_primitive_errors.py",
                                 "tests/test_tensor_parallel.py"],
-    "slapo_tune/runtime.py": ["tests/test_parallel_3d.py", "tests/test_train.py::test_a_bf16_schedule_trains_under_autocast"],
-    "slapo_tune/cost_model/exact.py": ["tests/test_cost_model.py::test_exact_mode_matches_a_measured_real_step",
-                                       "tests/test_cost_model.py::test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter"],
+    "slapo_tune/runtime.py": ["tests/test_train.py::test_a_bf16_schedule_trains_under_autocast",
+                              "tests/test_parallel_3d.py"],
+    "slapo_tune/cost_model/exact.py": ["tests/test_cost_model.py::test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter",
+                                       "tests/test_cost_model.py::test_exact_mode_matches_a_measured_real_step"],
     "slapo_tune/search/_driver.py": ["tests/test_search.py", "tests/test_faults.py"],
     "slapo_tune/schedule_file.py": ["tests/test_schedule_file.py", "tests/test_train.py::test_bad_schedule_is_one_line_exit_2",
                                     "tests/test_train.py::test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run"],
-    "slapo_tune/train.py": ["tests/test_train.py"],
+    "slapo_tune/train.py": ["tests/test_train.py::test_bad_schedule_is_one_line_exit_2",
+                            "tests/test_train.py::test_tuned_schedule_trains_like_the_unscheduled_model",
+                            "tests/test_train.py::test_killed_job_resumes_to_the_same_weights",
+                            "tests/test_train.py::test_a_bf16_schedule_trains_under_autocast",
+                            "tests/test_train.py::test_initial_weights_come_from_a_hugging_face_checkpoint"],
 }
 
 

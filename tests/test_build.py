@@ -106,3 +106,23 @@ def test_meta_tensor_without_initializer_is_a_clear_error():
         model = nn.Sequential(nn.Linear(3, 3), _NoInit())
     with pytest.raises(st.MaterializeError, match=r"_NoInit.scale is on the meta device and its initialiser did not set it"):
         st.build(st.create_schedule(model))
+
+
+@pytest.mark.parametrize("preset,template", [("gpt2-tiny", None), ("llama-tiny", "generic")])
+def test_zero3_makes_every_block_its_own_sharded_unit(fake_group, preset, template):
+    """ZeRO-3 at pp=1 finds the block list itself and shards each block apart from the root, so a
+    block is gathered only while it runs (what the memory model's ``gathered`` term counts); one
+    unit for the whole model would gather everything at once and still compute the same numbers."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from search_spaces import load_template, template_for
+    from slapo_tune.topology import init_topology
+
+    topology = init_topology(pp=1, tp=1)  # the fake group's 2 ranks: dp=2
+    model = st.build_model(preset)
+    chosen = load_template(template) if template else template_for(model.config)
+    stage = st.build(st.create_schedule(model), topology=topology, zero=3, seed=0)
+    blocks = stage.model.get_submodule(chosen.blocks_path(stage.model))
+    assert topology.dp == 2 and len(blocks) == 4
+    assert all(isinstance(block, FSDPModule) for block in blocks) and isinstance(stage, FSDPModule)
+    assert not any(isinstance(m, FSDPModule) for m in blocks[0].modules() if m is not blocks[0])

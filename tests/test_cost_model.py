@@ -291,3 +291,20 @@ def test_time_weights_are_one_common_scale_when_points_are_fewer_than_terms():
     few = fit_time(measured[:3])
     assert len(set(few.values())) == 1 and 0.25 < next(iter(few.values())) < 3.0
     assert fit_time(measured) == pytest.approx(truth, rel=1e-6)
+
+
+def test_measured_peak_on_cuda_is_the_allocators_peak_over_the_step(monkeypatch):
+    """On a GPU the measured side is the caching allocator's own peak, reset just before the step
+    and read after it has finished (CUDA is mocked: no GPU here)."""
+    import torch
+
+    from slapo_tune.cost_model.measure import measured_peak
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", str(device))))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", str(device))))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("read", str(device)))
+                        or 123_456_789)
+    peak = measured_peak(lambda: calls.append(("step", "")), stage=None, optimizer=None, device="cuda:1")
+    assert peak.total == 123_456_789
+    assert calls == [("sync", "cuda:1"), ("reset", "cuda:1"), ("step", ""), ("sync", "cuda:1"), ("read", "cuda:1")]
