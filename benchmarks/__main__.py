@@ -170,7 +170,9 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
                   "|---|---|---|---|---|"]
 
         def cell(x, unit=""):
-            return "not reached" if x is None else f"{x:.0f}{unit}" if not unit else f"{x:.1f}{unit}"
+            if x is None:
+                return "not reached"
+            return f"{x:.1f}{unit}" if unit else f"{x:.0f}"
 
         for name, s in search["strategies"].items():
             lines.append(f"| {name} | {cell(s['median'])} ({cell(s.get('p25'))}-{cell(s.get('p75'))}) | "

@@ -3,9 +3,10 @@
 A trial trains one schedule point for a few steps on ``world_size`` ranks: warm-up steps (not
 measured), one memory step (tracking every tensor slows a step several-fold, so it is never
 timed; measured by :func:`slapo_tune.cost_model.measure.measured_peak`, a tool the cost model's
-predictions do not use), then the measured steps. Each measured step records how long the rank's threads waited
-for a core; a step that waited more than :data:`WAIT_LIMIT` of its time is measured again (once
-per step), so outside load on a shared machine shows up as a flag instead of a wrong number.
+predictions do not use), then the measured steps. Each measured step records how long the rank's
+threads waited for a core; a step that waited more than :data:`WAIT_LIMIT` of its time is
+measured again (once per step), so outside load on a shared machine shows up as a flag instead of
+a wrong number.
 """
 
 from __future__ import annotations

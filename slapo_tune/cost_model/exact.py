@@ -4,11 +4,12 @@ No memory is allocated and nothing is computed or communicated: ``FakeTensorMode
 and dtypes, the ``fake`` process-group backend completes every collective instantly, and
 :class:`~slapo_tune.cost_model._tracker.PeakTracker` follows every tensor. It runs exactly the
 code a real rank runs (template, build, the runtime's pipeline schedule, AdamW), so on CPU its
-peak equals a real step's tensor-level peak byte for byte, with two differences it makes up for:
-the branches a real step takes on the *values* of tensors (:func:`fake_mask_decisions`) and the
-temporaries of a real backend's collectives (:func:`_backend_temporaries`). What it cannot know is
-when gloo's threads let go of a pipeline send's buffer: a real stage after the first may hold one
-more micro-batch's hidden state at its peak, so exact mode is the optimistic end, the right one
+peak equals a real step's peak byte for byte, once it makes up for three things fakes do not do:
+the branches a real step takes on the *values* of tensors (:func:`fake_mask_decisions`), the
+buffers a real backend's pending sends keep (:func:`_works_hold_their_tensors`) and the
+temporaries of its collectives (:func:`_backend_temporaries`). What it cannot know is when gloo's
+threads let go of a collective's buffer: under tensor parallelism a real rank may hold one
+activation all-reduce's buffer a moment longer, so exact mode is the optimistic end, the right one
 for pruning (a point is pruned only when even that does not fit).
 
 Ranks that hold the same pipeline stage behave alike (tensor- and data-parallel ranks are
