@@ -12,18 +12,21 @@ def _train_step(run, optimizer, batch) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def both_trackers_rank(ctx, spec, template_name: str, points: list[dict], workload) -> list[tuple[int, int]]:
-    """For each point: one real step tracked at once by the cost model's tracker (what exact mode
-    counts with) and by torch's MemTracker (what measurements count with); their two peaks."""
+def real_steps_rank(ctx, spec, template_name: str, points: list[dict], workload) -> list[dict]:
+    """For each point: what measurements report (:func:`measure_point_rank`: MemTracker), and the
+    peaks of one more real step watched at once by the cost model's tracker (what exact mode counts
+    with) and by MemTracker (``both``)."""
     from search_spaces import load_template
     from slapo_tune.cost_model._tracker import PeakTracker
-    from slapo_tune.cost_model.measure import StepMemTracker
+    from slapo_tune.cost_model.measure import StepMemTracker, measure_point_rank
     from slapo_tune.data import synthetic_batch
     from slapo_tune.realize import realize
     from slapo_tune.runtime import default_optimizer
 
     out = []
     for point in points:
+        measured = measure_point_rank(ctx, spec, template_name, point, workload, timed_steps=1)
+        dist.barrier()
         run = realize(spec, load_template(template_name), point, workload, seed=0)
         optimizer = default_optimizer(run.stage.parameters())
         batch = synthetic_batch(run.stage.model.config.vocab_size, workload.global_batch, workload.seq_len)
@@ -33,6 +36,7 @@ def both_trackers_rank(ctx, spec, template_name: str, points: list[dict], worklo
         theirs.track_external(run.stage, optimizer)
         with theirs, ours:
             _train_step(run, optimizer, batch)
-        out.append((ours.peak, theirs.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
+        measured["both"] = (ours.peak, theirs.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        out.append(measured)
         dist.barrier()
     return out

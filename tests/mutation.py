@@ -206,7 +206,8 @@ EXCLUDED_OPERATORS = (
 
 def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
     """cosmic-ray over each module in its own scratch copy, with that module's tests; with
-    ``minutes``, each module's run stops after that long and reports the mutants it got to."""
+    ``minutes``, each module's run stops after that long and reports the mutants it got to
+    (cosmic-ray takes pending mutants in random order, so those are a random sample)."""
     tool = Path(sys.executable).parent / "cosmic-ray"
     if not tool.exists():
         raise SystemExit("cosmic-ray is not installed: pip install -e '.[mutation]'")
@@ -240,7 +241,7 @@ def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
             runner.wait()  # (a mutant left applied lives in the copy, which goes next)
         dump = subprocess.run([str(tool), "dump", str(session)], cwd=copy, env=env, check=True, capture_output=True,
                               text=True).stdout
-        killed, survived, skipped, pending, survivors = 0, 0, 0, 0, []
+        killed, survived, incompetent, skipped, pending, survivors = 0, 0, 0, 0, 0, []
         for line in filter(None, dump.splitlines()):
             item, result = json.loads(line)
             if result is None:
@@ -254,16 +255,21 @@ def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
                 mutation = item["mutations"][0]
                 survivors.append(f"{mutation['module_path']}:{mutation['start_pos'][0]} {mutation['operator_name']}"
                                  f" #{mutation['occurrence']}")
+            elif result.get("test_outcome") == "incompetent":  # the mutant did not even import or timed out
+                incompetent += 1
             else:
                 killed += 1
-        summary[module] = {"killed": killed, "survived": survived, "not_run": pending, "filtered": skipped,
+        summary[module] = {"killed": killed, "survived": survived, "incompetent": incompetent, "not_run": pending,
+                           "filtered": skipped,
                            "survivors": survivors, "minutes": (time.monotonic() - t0) / 60}
         shutil.rmtree(copy, ignore_errors=True)
-        print(f"{module}: {killed} killed, {survived} survived, {pending} not run in the time budget "
+        print(f"{module}: {killed} killed, {survived} survived, {incompetent} incompetent, {pending} not run in "
+              f"the time budget "
               f"({skipped} filtered out; {summary[module]['minutes']:.1f} min)", flush=True)
-    _write("sweep", summary, ["| module | killed | survived | not run | survivors (line, operator) |",
-                              "|---|---|---|---|---|"] + [
-        f"| `{m}` | {s['killed']} | {s['survived']} | {s['not_run']} | {'<br>'.join(s['survivors'][:40])} |"
+    _write("sweep", summary, ["| module | killed | survived | incompetent | not run | survivors (line, operator) |",
+                              "|---|---|---|---|---|---|"] + [
+        f"| `{m}` | {s['killed']} | {s['survived']} | {s['incompetent']} | {s['not_run']} | "
+        f"{'<br>'.join(s['survivors'][:40])} |"
         for m, s in summary.items()])
     return 0
 

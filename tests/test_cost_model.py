@@ -44,40 +44,45 @@ def _memory_spec(preset: str) -> ModelSpec:
     return ModelSpec(preset, {"n_embd": 256} if preset.startswith("gpt2") else {"hidden_size": 256})
 
 
-@pytest.mark.parametrize("preset,knobs", MEMORY_POINTS)
-def test_exact_mode_matches_a_measured_real_step(preset, knobs, no_leftover_children):
+@pytest.fixture(scope="module")
+def real_steps() -> dict[tuple, list[dict]]:
+    """(preset, point index) -> each rank's report of real steps of that point (one launch per preset)."""
+    from _memory_workers import real_steps_rank
+
+    out = {}
+    for preset in dict.fromkeys(p for p, _ in MEMORY_POINTS):
+        indices = [i for i, (p, _) in enumerate(MEMORY_POINTS) if p == preset]
+        spec = _memory_spec(preset)
+        per_rank = launch(real_steps_rank, WORLD, args=(spec, template_for(spec.config()).name,
+                                                         [_point(WORLD, **MEMORY_POINTS[i][1]) for i in indices],
+                                                         MEMORY_WORKLOAD), timeout=600)
+        out.update({(preset, i): [reports[j] for reports in per_rank] for j, i in enumerate(indices)})
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(MEMORY_POINTS)), ids=[f"{p}-{i}" for i, (p, _) in enumerate(MEMORY_POINTS)])
+def test_exact_mode_matches_a_measured_real_step(real_steps, index):
     """The measured side is torch's MemTracker on real steps (measure.py), a tool exact mode does
     not use: a fault in exact mode's own tracker cannot pass here. Byte for byte, except that under
     tensor parallelism a real rank may also hold an activation all-reduce's buffer that gloo's
     threads release a moment late (one micro-batch's hidden state): exact mode is the optimistic end."""
+    preset, knobs = MEMORY_POINTS[index]
     spec = _memory_spec(preset)
-    template = template_for(spec.config())
     point = _point(WORLD, **knobs)
-    measured = launch(measure_points_rank, WORLD, args=(spec, template.name, [point], MEMORY_WORKLOAD, 1),
-                      timeout=300)
-    exact = CostModel(spec, template, MEMORY_WORKLOAD, CPU).exact(point)
+    exact = CostModel(spec, template_for(spec.config()), MEMORY_WORKLOAD, CPU).exact(point)
     late_buffer = point["micro_batch"] * MEMORY_WORKLOAD.seq_len * spec.config().hidden_size * 4 if point["tp"] > 1 else 0
-    for per_rank in measured:
-        m = per_rank[0]
+    for m in real_steps[(preset, index)]:
         predicted = exact[m["stage"]].total
         assert 0 <= m["total"] - predicted <= late_buffer, (m["stage"], predicted, m["total"])
 
 
-def test_the_prediction_tracker_and_torch_memtracker_agree_on_real_steps(no_leftover_children):
+def test_the_prediction_tracker_and_torch_memtracker_agree_on_real_steps(real_steps):
     """Exact mode counts with the project's PeakTracker; measurements count with torch's MemTracker.
     Watching the same real steps at once, both see the same peak, byte for byte."""
-    from _memory_workers import both_trackers_rank
-
-    by_preset: dict[str, list[dict]] = {}
-    for preset, knobs in MEMORY_POINTS:
-        by_preset.setdefault(preset, []).append(_point(WORLD, **knobs))
-    for preset, points in by_preset.items():
-        spec = _memory_spec(preset)
-        per_rank = launch(both_trackers_rank, WORLD, args=(spec, template_for(spec.config()).name, points,
-                                                            MEMORY_WORKLOAD), timeout=300)
-        for rank, peaks in enumerate(per_rank):
-            for point, (ours, theirs) in zip(points, peaks):
-                assert ours == theirs and ours > 2**20, (preset, rank, point)
+    for (preset, index), per_rank in real_steps.items():
+        for rank, report in enumerate(per_rank):
+            ours, theirs = report["both"]
+            assert ours == theirs and ours > 2**20, (preset, MEMORY_POINTS[index], rank)
 
 
 def _closed_form_llama_params(stage, pp, tp, layers=80, h=8192, heads=64, kv=8, inter=28672, vocab=32000):
