@@ -266,9 +266,11 @@ def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
         print(f"{module}: {killed} killed, {survived} survived, {incompetent} incompetent, {pending} not run in "
               f"the time budget "
               f"({skipped} filtered out; {summary[module]['minutes']:.1f} min)", flush=True)
+    previous = OUT / "sweep.json"  # runs over some modules replace those modules' rows, keep the others
+    summary = {**(json.loads(previous.read_text()) if previous.exists() else {}), **summary}
     _write("sweep", summary, ["| module | killed | survived | incompetent | not run | survivors (line, operator) |",
                               "|---|---|---|---|---|---|"] + [
-        f"| `{m}` | {s['killed']} | {s['survived']} | {s['incompetent']} | {s['not_run']} | "
+        f"| `{m}` | {s['killed']} | {s['survived']} | {s.get('incompetent', 0)} | {s['not_run']} | "
         f"{'<br>'.join(s['survivors'][:40])} |"
         for m, s in summary.items()])
     return 0

@@ -67,6 +67,35 @@ def test_shard_axis_zero_keeps_in_features(fake_group):
     assert (model2[0].in_features, model2[0].out_features) == (4, 6)
 
 
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_sharded_modules_describe_their_local_shard(gpt2, bias_first):
+    """After sharding at tp=2, every module's size attributes are those of its local weights (code
+    that reads ``out_features``, ``nf`` or ``num_embeddings``, as Hugging Face does, sees the shard),
+    and the output layout it declares is where its output is split."""
+    from slapo_tune._graph import FusedLinear
+
+    model, sch = gpt2  # n_embd 66, vocabulary 512, 256 positions
+    for name, axis in [("bias", 0), ("weight", 1)][:: 1 if bias_first else -1]:  # Conv1D: weight is [in, out]
+        sch["transformer.h.0.mlp.c_fc"].shard(name, axis)
+    sch["transformer.h.0.mlp.c_proj"].shard("weight", 0)
+    sch["transformer.wte"].shard("weight", 0)
+    sch["transformer.wpe"].shard("weight", 1)
+    fc, proj, wte, wpe = (model.transformer.h[0].mlp.c_fc, model.transformer.h[0].mlp.c_proj, model.transformer.wte,
+                          model.transformer.wpe)
+    assert (fc.nx, fc.nf) == (66, 132) == tuple(fc.weight.shape) and fc.bias.shape == (132,)
+    assert (proj.nx, proj.nf) == (132, 66) == tuple(proj.weight.shape)
+    assert (wte.num_embeddings, wte.embedding_dim) == (256, 66) == tuple(wte.weight.shape)
+    assert (wpe.num_embeddings, wpe.embedding_dim) == (256, 33) == tuple(wpe.weight.shape)
+    sch["transformer.wpe"].sync("fwd_post", "all_gather", axis=-1)  # the hidden features are what is split
+    assert wpe(torch.arange(8)[None]).shape == (1, 8, 66)  # (the fake group gathers shapes, not values)
+    fused = nn.Sequential(FusedLinear(8, [4, 2, 2], bias=True))  # grouped-query QKV: blocks of unequal sizes
+    fused_sch = st.create_schedule(fused)
+    for name in ["bias", "weight"] if bias_first else ["weight", "bias"]:
+        fused_sch["0"].shard(name, 0, num_fused=[4, 2, 2])
+    assert fused[0].split_sizes == [2, 1, 1] and fused[0].out_features == 4 == fused[0].weight.shape[0]
+    assert fused[0].bias.shape == (4,)
+
+
 def test_sync_contradicting_the_layout_is_refused(gpt2):
     model, sch = gpt2
     fc, proj = sch["transformer.h.0.mlp.c_fc"], sch["transformer.h.0.mlp.c_proj"]

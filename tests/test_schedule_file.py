@@ -51,3 +51,83 @@ def test_missing_and_truncated_files(tmp_path):
     path.write_text(json.dumps(_schedule())[:50])
     with pytest.raises(UsageError, match="not valid JSON"):
         read_schedule(path)
+
+
+# The file format as the README documents it (Tuning, Outputs): written out here, not read from the code.
+REQUIRED = ("format", "version", "template", "knobs", "world_size", "layout", "global_batch", "micro_batch",
+            "accumulation", "seq_len", "dtype", "model", "device")
+OPTIONAL = ("versions", "measured", "predicted", "study", "created")
+
+
+def _written(tmp_path, data) -> str:
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("field", REQUIRED)
+def test_each_required_field_is_required(tmp_path, field):
+    data = _schedule()
+    del data[field]
+    with pytest.raises(UsageError, match=f"missing field '{field}'|not a slapo-tune schedule|unsupported schedule"):
+        read_schedule(_written(tmp_path, data))
+
+
+def test_optional_fields_may_be_absent(tmp_path):
+    """A hand-written schedule (or one from a tool that records no measurements) still loads."""
+    data = {k: v for k, v in _schedule().items() if k not in OPTIONAL}
+    assert read_schedule(_written(tmp_path, data))["knobs"]["tp"] == 2
+
+
+@pytest.mark.parametrize("field,limit", [("world_size", 2**20), ("global_batch", 2**31), ("micro_batch", 2**31),
+                                         ("accumulation", 2**31), ("seq_len", 2**24)])
+def test_sizes_up_to_the_largest_clusters_load_and_absurd_ones_do_not(tmp_path, field, limit):
+    """The bounds only stop a tampered size from making the space enumeration run for ever: a million
+    ranks, a 2**31 batch and 16 M-token sequences load; one more is refused with one line."""
+    data = _schedule()
+    data[field] = limit
+    assert read_schedule(_written(tmp_path, data))[field] == limit
+    data[field] = limit + 1
+    with pytest.raises(UsageError, match=f"{field} must be at most {limit}"):
+        read_schedule(_written(tmp_path, data))
+
+
+@pytest.mark.parametrize("section,key,message", [("template", "name", "template.name must be a string"),
+                                                 ("template", "version", "template.version must be a string"),
+                                                 ("model", "name", "model.name must be a string")])
+def test_the_template_and_model_must_be_named(tmp_path, section, key, message):
+    data = _schedule()
+    del data[section][key]
+    with pytest.raises(UsageError, match=message):
+        read_schedule(_written(tmp_path, data))
+
+
+def test_unreadable_files_are_one_line_errors(tmp_path):
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(UsageError, match="cannot read schedule file"):
+        read_schedule(tmp_path / "dir.json")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(UsageError, match="cannot read schedule file"):
+        read_schedule(tmp_path / "binary.json")
+
+
+def test_versions_name_the_installed_packages_and_skip_absent_ones(monkeypatch):
+    """A driver without Ray (a local tune) still writes schedules: absent packages are left out."""
+    import importlib.metadata as md
+
+    from slapo_tune import schedule_file
+
+    real = md.version
+
+    def version(name):
+        if name == "ray":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    schedule_file._installed_versions.cache_clear()
+    monkeypatch.setattr(md, "version", version)
+    try:
+        versions = schedule_file.library_versions()
+    finally:
+        schedule_file._installed_versions.cache_clear()
+    assert "ray" not in versions and versions["torch"] == real("torch")
