@@ -82,6 +82,28 @@ def _comm_checks(ctx):
     y = _comm.scatter(x, -1, None)
     (y * 3).sum().backward()
     out["scatter"] = (y[0].tolist(), x.grad[0].tolist())
+    out["sequence_axis"] = _sequence_axis_checks(r, w)
+    return out
+
+
+def _sequence_axis_checks(r: int, w: int) -> dict[str, bool]:
+    """Sequence parallelism splits [batch, seq, hidden] along axis 1, not the last axis: each
+    collective along axis 1 (and -2) gives, values and gradients, what it gives along the last axis
+    of the transposed tensor (checked above against hand-computed numbers)."""
+    out = {}
+    local = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(r))
+    full = torch.randn(2, 4 * w, 3, generator=torch.Generator().manual_seed(100))  # the same on every rank
+    weight = torch.randn(2, 4 * w, 3, generator=torch.Generator().manual_seed(200))
+    for name, fn, x, scale in [("gather", _comm.gather, local, weight), ("reduce_scatter", _comm.reduce_scatter, full, None),
+                               ("scatter", _comm.scatter, full, None)]:
+        for axis in (1, -2):
+            a = x.clone().requires_grad_()
+            y = fn(a, axis, None)
+            (y * (scale if scale is not None else y.detach())).sum().backward()
+            b = x.transpose(1, 2).contiguous().requires_grad_()
+            z = fn(b, -1, None).transpose(1, 2)
+            (z * (scale if scale is not None else z.detach())).sum().backward()
+            out[f"{name}@{axis}"] = torch.equal(y, z) and torch.equal(a.grad, b.grad.transpose(1, 2))
     return out
 
 

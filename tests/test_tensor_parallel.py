@@ -53,6 +53,23 @@ def test_collectives_have_conjugate_backwards(suite):
         row, grad = c["scatter"]
         assert row == [float(2 * rank), float(2 * rank + 1)]
         assert grad == [3.0] * (2 * world)
+        assert c["sequence_axis"] and all(c["sequence_axis"].values()), c["sequence_axis"]
+
+
+def test_without_torch_distributed_every_collective_is_the_identity():
+    """A schedule written for tp=2 runs in a plain single process (a notebook, a unit test) with
+    torch.distributed never initialised: every collective is the identity, nothing raises."""
+    import torch
+    import torch.distributed as dist
+
+    from slapo_tune import _comm
+
+    assert not dist.is_initialized()
+    assert (_comm.group_size(None), _comm.group_rank(None)) == (1, 0)
+    x = torch.randn(2, 4, 3)
+    for y in (_comm.reduce_fwd(x, None), _comm.reduce_bwd(x, None), _comm.gather(x, 1, None),
+              _comm.reduce_scatter(x, 1, None), _comm.scatter(x, 1, None), _comm.all_gather_tensor(x, 1, None)):
+        assert y is x
 
 
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
