@@ -91,7 +91,9 @@ NAMED = (
 
 # module -> the default tests that exercise it (the sweep runs them, fastest first, for each mutant)
 SWEEP = {
-    "slapo_tune/_data_parallel.py": ["tests/test_build.py::test_zero3_makes_every_block_its_own_sharded_unit",
+    "slapo_tune/_data_parallel.py": ["tests/test_build.py::test_the_block_list_is_the_module_list_holding_the_most_parameters",
+                                     "tests/test_build.py::test_data_parallel_all_reduces_gradients_in_buckets_of_32_mib",
+                                     "tests/test_build.py::test_zero3_makes_every_block_its_own_sharded_unit",
                                      "tests/test_templates_verify.py::test_data_parallel_averages_every_full_gradient_bucket",
                                      "tests/test_parallel_3d.py"],
     "slapo_tune/_comm.py": ["tests/test_tensor_parallel.py"],

@@ -126,3 +126,36 @@ def test_zero3_makes_every_block_its_own_sharded_unit(fake_group, preset, templa
     assert topology.dp == 2 and len(blocks) == 4
     assert all(isinstance(block, FSDPModule) for block in blocks) and isinstance(stage, FSDPModule)
     assert not any(isinstance(m, FSDPModule) for m in blocks[0].modules() if m is not blocks[0])
+
+
+def test_the_block_list_is_the_module_list_holding_the_most_parameters():
+    from slapo_tune._data_parallel import largest_module_list
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+            self.heads = nn.ModuleList([nn.Linear(4, 4)])  # a later, smaller list (per-task heads)
+            self.hooks = nn.ModuleList()  # and an empty one
+
+    path, found = largest_module_list(Model())
+    assert path == "blocks" and len(found) == 4
+    assert largest_module_list(nn.Sequential(nn.Linear(2, 2))) is None
+
+
+def test_data_parallel_all_reduces_gradients_in_buckets_of_32_mib(fake_group, monkeypatch):
+    """Replicated data parallelism all-reduces gradients in flat buckets that close once they reach
+    32 MiB (DDP's default is 25): few collectives, and at most one bucket's copy held at a time."""
+    import torch.distributed as dist
+
+    from slapo_tune import _data_parallel
+
+    sizes = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: sizes.append(t.numel() * t.element_size()))
+    quarter = 4 * 2**20  # 16 MiB of fp32
+    params = [nn.Parameter(torch.empty(quarter)) for _ in range(5)]
+    for i, p in enumerate(params):
+        p.grad = torch.full((quarter,), float(i + 1))
+    _data_parallel.average_gradients(params, None)  # the fake group has 2 ranks
+    assert sizes == [32 * 2**20, 32 * 2**20, 16 * 2**20]
+    assert [p.grad[0].item() for p in params] == [0.5, 1.0, 1.5, 2.0, 2.5]  # (the fake sum is the rank's own)
