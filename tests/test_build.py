@@ -159,3 +159,21 @@ def test_data_parallel_all_reduces_gradients_in_buckets_of_32_mib(fake_group, mo
     _data_parallel.average_gradients(params, None)  # the fake group has 2 ranks
     assert sizes == [32 * 2**20, 32 * 2**20, 16 * 2**20]
     assert [p.grad[0].item() for p in params] == [0.5, 1.0, 1.5, 2.0, 2.5]  # (the fake sum is the rank's own)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_data_parallel_rank_takes_its_own_rows_of_the_global_batch(fake_group, rank):
+    """The global batch is the same on every rank; data-parallel rank r trains rows [r*n, (r+1)*n),
+    and a batch that does not split into dp x micro-batches equal parts is refused, not truncated."""
+    from slapo_tune.runtime import TrainStep
+    from slapo_tune.topology import init_topology
+
+    fake_group(rank=rank)
+    topology = init_topology(pp=1, tp=1)  # dp=2
+    stage = st.build(st.create_schedule(st.build_model("gpt2-tiny")), topology=topology, seed=0)
+    step = TrainStep(stage, n_microbatches=2)
+    ids = torch.arange(8)[:, None].repeat(1, 4)  # row i holds i
+    local, labels = step.local_batch({"input_ids": ids})
+    assert local[:, 0].tolist() == labels[:, 0].tolist() == [4 * rank + i for i in range(4)]
+    with pytest.raises(st.ScheduleError, match=r"global batch 6 is not divisible by dp x micro-batches = 2 x 2"):
+        step.local_batch({"input_ids": ids[:6]})
