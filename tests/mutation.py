@@ -207,6 +207,26 @@ EXCLUDED_OPERATORS = (
 )
 
 
+def _session(module: str, config_text: str) -> Path:
+    """The module's cosmic-ray session, kept between runs in ``results/mutation/sessions/``: a run
+    goes on with the mutants not yet run and re-runs the survivors (the tests may have improved
+    since). A changed module, test selection or operator filter starts a fresh session."""
+    import hashlib
+    import sqlite3
+
+    key = hashlib.sha256(((ROOT / module).read_text() + config_text).encode()).hexdigest()
+    session = OUT / "sessions" / (module.replace("/", "_") + ".sqlite")
+    stamp = session.with_suffix(".key")
+    if session.exists() and stamp.exists() and stamp.read_text() == key:
+        with sqlite3.connect(session) as db:
+            db.execute("DELETE FROM work_results WHERE test_outcome = 'SURVIVED'")
+        return session
+    session.unlink(missing_ok=True)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key)
+    return session
+
+
 def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
     """cosmic-ray over each module in its own scratch copy, with that module's tests; with
     ``minutes``, each module's run stops after that long and reports the mutants it got to
@@ -228,13 +248,14 @@ def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
             f'test-command = "{sys.executable} -m pytest -q -x -p no:cacheprovider {tests}"\n'
             '[cosmic-ray.distributor]\nname = "local"\n'
             f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [{excluded}]\n")
-        session = copy / "session.sqlite"
+        session = _session(module, f"{tests}|{excluded}")
         env = _env(copy)
         t0 = time.monotonic()
-        subprocess.run([str(tool), "init", str(config), str(session)], cwd=copy, env=env, check=True,
-                       capture_output=True)
-        subprocess.run([str(tool.with_name("cr-filter-operators")), str(session), str(config)], cwd=copy, env=env,
-                       check=True, capture_output=True)
+        if not session.exists():
+            subprocess.run([str(tool), "init", str(config), str(session)], cwd=copy, env=env, check=True,
+                           capture_output=True)
+            subprocess.run([str(tool.with_name("cr-filter-operators")), str(session), str(config)], cwd=copy,
+                           env=env, check=True, capture_output=True)
         runner = subprocess.Popen([str(tool), "exec", str(config), str(session)], cwd=copy, env=env,
                                   start_new_session=True)
         try:
@@ -244,7 +265,7 @@ def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
             runner.wait()  # (a mutant left applied lives in the copy, which goes next)
         dump = subprocess.run([str(tool), "dump", str(session)], cwd=copy, env=env, check=True, capture_output=True,
                               text=True).stdout
-        killed, survived, incompetent, skipped, pending, survivors = 0, 0, 0, 0, 0, []
+        killed, survived, incompetent, skipped, pending, survivors, diffs = 0, 0, 0, 0, 0, [], []
         for line in filter(None, dump.splitlines()):
             item, result = json.loads(line)
             if result is None:
@@ -258,17 +279,17 @@ def sweep(modules: list[str], timeout: float, minutes: float | None) -> int:
                 mutation = item["mutations"][0]
                 survivors.append(f"{mutation['module_path']}:{mutation['start_pos'][0]} {mutation['operator_name']}"
                                  f" #{mutation['occurrence']}")
+                diffs.append(result.get("diff") or "")
             elif result.get("test_outcome") == "incompetent":  # the mutant did not even import or timed out
                 incompetent += 1
             else:
                 killed += 1
         summary[module] = {"killed": killed, "survived": survived, "incompetent": incompetent, "not_run": pending,
-                           "filtered": skipped,
-                           "survivors": survivors, "minutes": (time.monotonic() - t0) / 60}
+                           "filtered": skipped, "survivors": survivors, "diffs": diffs,
+                           "minutes": (time.monotonic() - t0) / 60}
         shutil.rmtree(copy, ignore_errors=True)
         print(f"{module}: {killed} killed, {survived} survived, {incompetent} incompetent, {pending} not run in "
-              f"the time budget "
-              f"({skipped} filtered out; {summary[module]['minutes']:.1f} min)", flush=True)
+              f"the time budget ({skipped} filtered out; {summary[module]['minutes']:.1f} min this run)", flush=True)
     previous = OUT / "sweep.json"  # runs over some modules replace those modules' rows, keep the others
     summary = {**(json.loads(previous.read_text()) if previous.exists() else {}), **summary}
     _write("sweep", summary, ["| module | killed | survived | incompetent | not run | survivors (line, operator) |",
