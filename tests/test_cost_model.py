@@ -244,6 +244,22 @@ def test_exact_mode_counts_the_copy_gloo_makes_in_a_reduce_scatter(no_leftover_c
     assert real == [fake["gloo"]] * 2 == [5 * 2**19] * 2
 
 
+@pytest.mark.parametrize("knobs", [{"micro_batch": 1}, {"micro_batch": 1, "zero": 3, "ckpt_ratio": 0.5}])
+def test_exact_mode_steady_state_gives_the_peak_of_the_whole_step(knobs):
+    """Without a pipeline, exact mode runs two micro-batches, not all of them: from the second on
+    each repeats the pattern with the accumulated gradients alive, so the peak is that of all 8 here
+    (in a quarter of the time), but for the one-element loss each micro-batch leaves behind."""
+    from slapo_tune.cost_model.exact import exact_memory, steady_state_workload
+
+    spec, point = _memory_spec("gpt2-tiny"), _point(WORLD, **knobs)
+    template = template_for(spec.config())
+    assert steady_state_workload(point, MEMORY_WORKLOAD).global_batch == 2 * point["dp"]
+    steady = exact_memory(spec, template, point, MEMORY_WORKLOAD)[0]
+    whole = exact_memory(spec, template, point, MEMORY_WORKLOAD, steady_state=False)[0]
+    micro_batches = MEMORY_WORKLOAD.global_batch // point["dp"]
+    assert 0 <= whole.total - steady.total <= 4 * micro_batches and steady.total > 2**20
+
+
 def test_time_model_charges_small_micro_batches_for_small_gemms_and_gradient_passes():
     """Two effects that make micro-batch 1 slower per sample than micro-batch 4 at equal FLOPs:
     small GEMMs run below the device's rate, and every micro-batch adds its gradients to the

@@ -169,7 +169,8 @@ def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: W
     """Peak tensor memory per pipeline stage of ``point`` (one fake step per stage role).
 
     With ``steady_state`` the step runs only the micro-batches that reach the peak (see
-    :func:`steady_state_workload`), which gives the same bytes in a fraction of the time.
+    :func:`steady_state_workload`), which gives the same bytes in a fraction of the time (but for
+    the one-element losses of the micro-batches it skips: bytes, against tens of megabytes).
     ``backend``: the collective backend whose temporaries to count (``gloo`` on CPU, ``nccl``).
     Runs in the calling process, which must not be part of a process group already.
     """
