@@ -53,18 +53,18 @@ def load_grid(path: Path = DEFAULT_OUT) -> tuple[list, int]:
 
 
 def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int,
-                 concurrency: int = 1):
-    """(Tuner, ReplayRunner) searching the recorded grid, its study in memory, nothing written."""
+                 concurrency: int = 1, runner=None, **config):
+    """(Tuner, ReplayRunner) searching the recorded grid, its study in memory (unless ``config``
+    names a storage), nothing written; ``config`` sets further TuneConfig fields (patience, ...)."""
     from runners.replay import ReplayRunner
     from slapo_tune.search import TuneConfig, Tuner
 
-    runner = ReplayRunner(results)
-    config = TuneConfig(model=GRID["model"], world_size=GRID["world_size"], memory_budget=budget,
-                        out=Path("replay"), global_batch=GRID["global_batch"], seq_len=GRID["seq_len"],
-                        trials=trials, strategy=strategy, storage="memory", seed=seed, prune=prune,
-                        concurrency=concurrency,
-                        space="benchmarks.search_strategies:FixedAttention")
-    return Tuner(config, runner, write_outputs=False), runner
+    runner = runner or ReplayRunner(results)
+    settings = dict(model=GRID["model"], world_size=GRID["world_size"], memory_budget=budget, out=Path("replay"),
+                    global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], trials=trials, strategy=strategy,
+                    storage="memory", seed=seed, prune=prune, concurrency=concurrency,
+                    space="benchmarks.search_strategies:FixedAttention")
+    return Tuner(TuneConfig(**{**settings, **config}), runner, write_outputs=False), runner
 
 
 def search(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int

@@ -7,6 +7,7 @@ the session's cache by ``conftest``); no calibration from a user's cache applies
 from __future__ import annotations
 
 import csv
+import dataclasses
 
 import pytest
 
@@ -60,6 +61,86 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
     assert pruned or strategy == "model"  # the model ranking never proposes what it would prune
     measured = {point_key(r.knobs): r.peak_memory[0] for r in results}
     assert all(measured[k] > budget for k in pruned)  # what was pruned does not fit, by measurement
+
+
+class _Scripted:
+    """A replay runner whose n-th launched trial measures the n-th scripted throughput."""
+
+    def __init__(self, results, script):
+        from runners.replay import ReplayRunner
+
+        self.replay, self.script = ReplayRunner(results), list(script)
+        self.ok = next(r for r in results if r.status == "ok")
+        self.launched = self.replay.launched
+
+    def run(self, spec):
+        self.replay.run(spec)
+        return dataclasses.replace(self.ok, knobs=self.launched[-1], samples_per_s=self.script[len(self.launched) - 1])
+
+    def cancel(self):
+        self.replay.cancel()
+
+
+def test_patience_stops_after_that_many_trials_without_a_strictly_better_one(grid):
+    """--patience 3: trials 1 and 2 improve, trial 3 only ties the best (not an improvement), 4 and 5
+    are worse: three trials without improvement, so the search stops after trial 5."""
+    results, budget, _, _ = grid
+    runner = _Scripted(results, [1.0, 5.0, 5.0, 4.0, 3.0, 2.0, 9.0, 9.0])
+    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=8, runner=runner, patience=3)
+    summary = tuner.run()
+    assert summary["stop"] == "no improvement" and len(runner.launched) == summary["launched"] == 5
+    assert summary["best"] == 5.0 and summary["best_point"] == runner.launched[1]  # the first to reach it
+
+
+def test_a_resumed_study_knows_its_best_trial(grid, tmp_path):
+    """Reopening a study rebuilds its progress from the stored trials: the best is the best measured
+    throughput (out-of-memory trials have none), so patience and the report go on from there."""
+    results, budget, _, _ = grid
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    first, runner = replay_tuner("random", 0, "none", results, budget, trials=12, storage=storage, study="s")
+    done = first.run()
+    measured = [r.samples_per_s for r in (runner.table[point_key(p)] for p in runner.launched) if r.status == "ok"]
+    assert len(measured) < 12 and done["best"] == max(measured)  # some trials ran out of memory
+    again, _ = replay_tuner("random", 0, "none", results, budget, trials=12, storage=storage, study="s")
+    again.open_study()
+    assert (again.progress.best, again.progress.best_point) == (done["best"], done["best_point"])
+    assert again.progress.launched == 12
+
+
+def test_ctrl_c_cancels_the_trials_in_flight(grid):
+    """Ctrl-C while trials run (a KeyboardInterrupt in the driver's thread) cancels them through the
+    runner, which ends their ranks, and leaves no trial thread behind before the interrupt goes on."""
+    import threading
+
+    results, budget, _, _ = grid
+
+    class Blocking(_Scripted):
+        def __init__(self):
+            super().__init__(results, [1.0] * 8)
+            self.cancelled = threading.Event()
+
+        def run(self, spec):
+            self.replay.run(spec)
+            self.cancelled.wait(timeout=30)  # a real trial runs until its ranks are ended
+            return dataclasses.replace(self.ok, status="crash", samples_per_s=None, knobs=self.launched[-1])
+
+        def cancel(self):
+            self.cancelled.set()
+
+    launches = []
+
+    def interrupt(event):  # the driver's report callback runs in its own thread: Ctrl-C lands there
+        launches.append(event["event"] == "launched")
+        if sum(launches) == 2:  # both trials of concurrency 2 in flight
+            raise KeyboardInterrupt
+
+    runner = Blocking()
+    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=8, concurrency=2, runner=runner)
+    tuner.report = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run()
+    assert runner.cancelled.is_set()
+    assert not [t for t in threading.enumerate() if t.name.startswith("trial")]
 
 
 def test_frontier_skips_points_an_oom_rules_out(grid):
