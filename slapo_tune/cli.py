@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from .errors import SlapoTuneError, UsageError
 
@@ -249,7 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .apply import load_schedule
     from .data import TrainingData
     from .launch import RankFailure, launch
-    from .train import latest_checkpoint, train_rank
+    from .train import checkpoint_files, latest_checkpoint, train_rank
 
     loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size,
                            allow_model_mismatch=args.allow_model_mismatch)
@@ -257,8 +256,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                  loaded.workload.seq_len)  # a bad data file fails here, before any rank starts
     if args.resume:
         latest_checkpoint(args.resume)
-    if args.init_from and not Path(args.init_from).is_dir():
-        raise UsageError(f"--init-from {args.init_from}: no such folder")
+    if args.init_from:
+        checkpoint_files(args.init_from)  # before any rank starts
     point = ", ".join(f"{k}={v}" for k, v in loaded.point.items())
     print(f"training {loaded.model.name} on {loaded.world_size} local rank(s) with {point}", flush=True)
     try:

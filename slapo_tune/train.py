@@ -56,18 +56,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def checkpoint_files(folder: str) -> list[Path]:
+    """The weight files of a Hugging Face checkpoint folder (UsageError when it holds none)."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise UsageError(f"--init-from {folder}: no such folder")
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise UsageError(f"--init-from {folder}: not a Hugging Face checkpoint folder (no *.safetensors or "
+                         "pytorch_model*.bin)")
+    return files
+
+
 def pretrained_model(folder: str, spec) -> torch.nn.Module:
     """``spec``'s model with the weights of a Hugging Face checkpoint folder (``save_pretrained``):
     built on the meta device, then every parameter assigned from the files, never initialised."""
     from .models import model_from_config
 
     path = Path(folder)
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
-    if not path.is_dir() or not files:
-        raise UsageError(f"--init-from {folder}: not a Hugging Face checkpoint folder (no *.safetensors or "
-                         "pytorch_model*.bin)")
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in checkpoint_files(folder):
         try:
             if file.suffix == ".safetensors":
                 from safetensors.torch import load_file

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,13 @@ def test_a_bf16_schedule_trains_under_autocast(tmp_path, no_leftover_children):
 
 def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
     schedule = _schedule(tmp_path / "s.json", dp=2, zero=3, ckpt_ratio=0.5)  # sharded params and optimizer
+    started = time.monotonic()
     whole = _cli("train", "--schedule", str(schedule), "--steps", "16", "--save", str(tmp_path / "a"))
+    wall = time.monotonic() - started
     assert whole.returncode == 0, whole.stderr
+    # each step's printed throughput: more than the whole command's (start-up included), tokens = samples x 32
+    rates = [(float(a), float(b)) for a, b in re.findall(r"([0-9.]+) samples/s ([0-9.]+) tokens/s", whole.stdout)]
+    assert len(rates) == 16 and all(a > 8 / wall and b == pytest.approx(32 * a, rel=0.01, abs=1) for a, b in rates)
 
     cmd = [sys.executable, "-m", "slapo_tune", "train", "--schedule", str(schedule), "--steps", "16",
            "--save", str(tmp_path / "b"), "--save-every", "4"]
@@ -134,6 +140,8 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
         job.kill()
         job.wait(timeout=60)
     assert (tmp_path / "b" / "latest").is_file()
+    saved = {int(p.name.split("-")[1]) for p in (tmp_path / "b").glob("step-*")}
+    assert saved and saved <= {4, 8}  # every 4 steps, nothing between
     resumed = _cli("train", "--schedule", str(schedule), "--steps", "16", "--resume", str(tmp_path / "b"),
                    "--save", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr
@@ -210,6 +218,8 @@ def _edit(path: Path, **changes) -> Path:
     ("world", "is for 2 ranks but this job has 4"),
     ("template", "is not built in"),
     ("dtype", "dtype 'banana' is not one of fp32, bf16, fp16"),
+    ("init-missing", "no such folder"),
+    ("init-empty", "not a Hugging Face checkpoint folder"),
 ])
 def test_bad_schedule_is_one_line_exit_2(tmp_path, capsys, case, message):
     path = _schedule(tmp_path / "s.json", tp=2)
@@ -230,6 +240,11 @@ def test_bad_schedule_is_one_line_exit_2(tmp_path, capsys, case, message):
         _edit(path, template={"name": "os:system", "version": "1"})
     elif case == "dtype":
         _edit(path, dtype="banana")
+    elif case == "init-missing":
+        args += ["--init-from", str(tmp_path / "nope")]
+    elif case == "init-empty":
+        (tmp_path / "empty").mkdir()
+        args += ["--init-from", str(tmp_path / "empty")]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
