@@ -62,7 +62,8 @@ NAMED = (
     Mutation("the driver forgets the points in flight", "slapo_tune/search/_driver.py",
              "            if key in self.known or key in self._in_flight_keys():",
              "            if key in self.known:",
-             ("tests/test_search.py::test_no_point_twice_and_pruned_points_never_launched",)),
+             ("tests/test_search.py::test_a_sampler_repeating_a_running_point_does_not_launch_it_twice",
+              "tests/test_search.py::test_no_point_twice_and_pruned_points_never_launched")),
     Mutation("resume never re-queues an interrupted trial", "slapo_tune/search/_driver.py",
              '                    self.study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": t.number})',
              "                    pass",
@@ -135,8 +136,9 @@ def _env(copy: Path) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[int, list[str], float]:
-    """(pytest's exit code, the tests that failed, seconds) in ``copy``; stops at the first failure."""
+def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[int, list[str], float, str]:
+    """(pytest's exit code, the tests that failed, seconds, the end of pytest's output) in ``copy``;
+    stops at the first failure."""
     report = copy / ".mutation-report.xml"
     t0 = time.monotonic()
     try:
@@ -145,7 +147,7 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[int, list[s
                               text=True, timeout=timeout, start_new_session=True)
         code = done.returncode
     except subprocess.TimeoutExpired:
-        return -1, ["(timed out)"], time.monotonic() - t0
+        return -1, ["(timed out)"], time.monotonic() - t0, ""
     failed = []
     if report.exists():
         import xml.etree.ElementTree as ET
@@ -153,7 +155,7 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[int, list[s
         for case in ET.parse(report).iter("testcase"):
             if case.find("failure") is not None or case.find("error") is not None:
                 failed.append(f"{case.get('classname')}::{case.get('name')}")
-    return code, failed, time.monotonic() - t0
+    return code, failed, time.monotonic() - t0, done.stdout[-4000:]
 
 
 def apply(copy: Path, mutation: Mutation) -> None:
@@ -171,9 +173,9 @@ def named(only: str | None, timeout: float) -> int:
     baseline = scratch_copy()
     try:
         tests = sorted({t for m in mutations for t in m.tests})
-        code, failed, seconds = run_tests(baseline, tests, timeout)
+        code, failed, seconds, output = run_tests(baseline, tests, timeout)
         if code != 0:
-            print(f"the unmutated copy fails its tests ({failed}): fix that first", file=sys.stderr)
+            print(f"{output}\nthe unmutated copy fails its tests ({failed}): fix that first", file=sys.stderr)
             return 1
         print(f"unmutated copy: {len(tests)} test node(s) pass ({seconds:.0f} s)", flush=True)
     finally:
@@ -183,7 +185,7 @@ def named(only: str | None, timeout: float) -> int:
         copy = scratch_copy()
         try:
             apply(copy, m)
-            code, failed, seconds = run_tests(copy, list(m.tests), timeout)
+            code, failed, seconds, _ = run_tests(copy, list(m.tests), timeout)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         killed = code != 0

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import time
 
 import pytest
 
 from benchmarks._stats import censored
 from benchmarks.search_strategies import KNOB_TYPES, load_grid, replay_tuner, search, trials_to_within
+from runners.replay import ReplayRunner
 from slapo_tune.space import point_key
 
 SEEDS = range(8)
@@ -46,13 +48,39 @@ def test_tpe_trials_to_3_percent_over_seeds(grid):
     assert spread["median"] is not None and spread["median"] <= 2 * limit, counts
 
 
+class _Lasting(ReplayRunner):
+    """Replayed trials that take a moment, as real ones do: the others stay in flight meanwhile."""
+
+    def run(self, spec):
+        result = super().run(spec)
+        time.sleep(0.05)
+        return result
+
+
+def test_a_sampler_repeating_a_running_point_does_not_launch_it_twice(grid):
+    """Optuna's samplers do not see running trials (TPE offers the same promising point to every
+    free slot): here the strategy proposes one point three times while it runs. The driver checks
+    the points in flight itself, answers the repeats as duplicates and launches other points."""
+    results, budget, _, _ = grid
+    runner = _Lasting(results)
+    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=6, concurrency=2, runner=runner)
+    first = next(tuner.space.enumerate())
+    repeats = iter(range(3))
+    tuner.strategy.propose = lambda known: first if next(repeats, None) is not None else None
+    summary = tuner.run()
+    keys = [point_key(p) for p in runner.launched]
+    assert len(keys) == len(set(keys)) == 6 and keys[0] == point_key(first)
+    assert summary["duplicates"] >= 1
+
+
 @pytest.mark.parametrize("strategy,concurrency", [("tpe", 1), ("random", 1), ("grid", 1), ("frontier", 1),
                                                   ("model", 1), ("tpe", 2), ("tpe", 4), ("random", 4)])
 def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurrency):
     """With trials in flight (concurrency > 1) the sampler does not know the running points yet:
     the driver must still never launch one twice."""
     results, budget, _, _ = grid
-    tuner, runner = replay_tuner(strategy, 0, "analytic", results, budget, trials=30, concurrency=concurrency)
+    tuner, runner = replay_tuner(strategy, 0, "analytic", results, budget, trials=30, concurrency=concurrency,
+                                 runner=_Lasting(results))
     summary = tuner.run()
     keys = [point_key(p) for p in runner.launched]
     assert len(keys) == len(set(keys)) == summary["launched"] == 30

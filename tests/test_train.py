@@ -65,7 +65,8 @@ def tuned(tmp_path_factory) -> Path:
     done = _cli("tune", "--model", "gpt2-tiny", "--world-size", "2", "--memory-budget", "64MiB", "--trials", "1",
                 "--strategy", "grid", "--ray-address", "none", "--prune", "analytic", "--measured-steps", "1",
                 "--global-batch", "8", "--seq-len", "32", "--out", str(out), "--quiet", timeout=600)
-    assert done.returncode == 0 and (out / "best_schedule.json").is_file(), done.stdout + done.stderr
+    trials = (out / "trials.csv").read_text() if (out / "trials.csv").exists() else ""
+    assert done.returncode == 0 and (out / "best_schedule.json").is_file(), done.stdout + done.stderr + trials
     return out / "best_schedule.json"
 
 
