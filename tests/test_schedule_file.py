@@ -92,6 +92,13 @@ def test_sizes_up_to_the_largest_clusters_load_and_absurd_ones_do_not(tmp_path, 
         read_schedule(_written(tmp_path, data))
 
 
+def test_a_single_rank_schedule_without_accumulation_loads(tmp_path):
+    """One GPU, one micro-batch per step: every size at its smallest legal value, 1."""
+    data = _schedule()
+    data.update(world_size=1, global_batch=1, micro_batch=1, accumulation=1, seq_len=1)
+    assert read_schedule(_written(tmp_path, data))["world_size"] == 1
+
+
 @pytest.mark.parametrize("section,key,message", [("template", "name", "template.name must be a string"),
                                                  ("template", "version", "template.version must be a string"),
                                                  ("model", "name", "model.name must be a string")])
@@ -112,7 +119,7 @@ def test_unreadable_files_are_one_line_errors(tmp_path):
 
 
 def test_versions_name_the_installed_packages_and_skip_absent_ones(monkeypatch):
-    """A driver without Ray (a local tune) still writes schedules: absent packages are left out."""
+    """A job without Optuna (a training job) still writes schedules: absent packages are left out."""
     import importlib.metadata as md
 
     from slapo_tune import schedule_file
@@ -120,7 +127,7 @@ def test_versions_name_the_installed_packages_and_skip_absent_ones(monkeypatch):
     real = md.version
 
     def version(name):
-        if name == "ray":
+        if name == "optuna":
             raise md.PackageNotFoundError(name)
         return real(name)
 
@@ -130,4 +137,5 @@ def test_versions_name_the_installed_packages_and_skip_absent_ones(monkeypatch):
         versions = schedule_file.library_versions()
     finally:
         schedule_file._installed_versions.cache_clear()
-    assert "ray" not in versions and versions["torch"] == real("torch")
+    assert "optuna" not in versions  # and the packages after it are still looked up:
+    assert versions["torch"] == real("torch") and versions["ray"] == real("ray")
