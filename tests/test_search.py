@@ -91,22 +91,17 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
     assert all(measured[k] > budget for k in pruned)  # what was pruned does not fit, by measurement
 
 
-class _Scripted:
+class _Scripted(ReplayRunner):
     """A replay runner whose n-th launched trial measures the n-th scripted throughput."""
 
     def __init__(self, results, script):
-        from runners.replay import ReplayRunner
-
-        self.replay, self.script = ReplayRunner(results), list(script)
+        super().__init__(results)
+        self.script = list(script)
         self.ok = next(r for r in results if r.status == "ok")
-        self.launched = self.replay.launched
 
     def run(self, spec):
-        self.replay.run(spec)
+        super().run(spec)
         return dataclasses.replace(self.ok, knobs=self.launched[-1], samples_per_s=self.script[len(self.launched) - 1])
-
-    def cancel(self):
-        self.replay.cancel()
 
 
 def test_patience_stops_after_that_many_trials_without_a_strictly_better_one(grid):
@@ -148,7 +143,7 @@ def test_ctrl_c_cancels_the_trials_in_flight(grid):
             self.cancelled = threading.Event()
 
         def run(self, spec):
-            self.replay.run(spec)
+            ReplayRunner.run(self, spec)
             self.cancelled.wait(timeout=30)  # a real trial runs until its ranks are ended
             return dataclasses.replace(self.ok, status="crash", samples_per_s=None, knobs=self.launched[-1])
 
