@@ -19,6 +19,10 @@ import os
 import random
 import statistics
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slapo_tune.problem import Problem
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,44 +56,42 @@ def _sample(space, n, seed, exclude=()):
     return random.Random(seed).sample(points, min(n, len(points)))
 
 
-def _points(label: str, template, config, world: int, points_per_world: int, calibration_per_world: int):
-    """(workload, evaluated points, calibration points disjoint from them) of one model and world:
-    seeded, so a rescore sees exactly the points of the run it re-predicts."""
-    from slapo_tune.template import ModelInfo, Workload
+def _problem(label: str, world: int) -> Problem:
+    """One model on ``world`` ranks at the grid's global batch and sequence length (resolved)."""
+    from slapo_tune.problem import ProblemSpec
 
-    workload = Workload(world, GLOBAL_BATCH, SEQ)
-    space = template.space(ModelInfo.from_config(config), workload)
-    evaluated = _sample(space, points_per_world, f"{label}-{world}-eval")
-    return workload, evaluated, _sample(space, calibration_per_world, f"{label}-{world}-cal", evaluated)
+    preset, overrides = MODELS[label]
+    return ProblemSpec(preset, world, dict(overrides), global_batch=GLOBAL_BATCH, seq_len=SEQ).resolve()
+
+
+def _points(label: str, problem: Problem, points_per_world: int, calibration_per_world: int):
+    """(evaluated points, calibration points disjoint from them) of one model and world: seeded, so
+    a rescore sees exactly the points of the run it re-predicts."""
+    world = problem.workload.world_size
+    evaluated = _sample(problem.space, points_per_world, f"{label}-{world}-eval")
+    return evaluated, _sample(problem.space, calibration_per_world, f"{label}-{world}-cal", evaluated)
 
 
 def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), timed_steps: int = 3,
         models: tuple[str, ...] = tuple(MODELS)) -> dict:
-    from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.cost_model.measure import measure_points_rank
     from slapo_tune.launch import launch
-    from slapo_tune.realize import ModelSpec
     from slapo_tune.space import format_point
-    from slapo_tune.template import Workload
 
     device = hardware("cpu")
     rows, summary = [], {}
     for label in models:
-        preset, overrides = MODELS[label]
-        spec = ModelSpec(preset, overrides)
-        config = spec.config()
-        template = template_for(config)
+        problems = {world: _problem(label, world) for world in worlds}
         calibration_points, evaluated = [], {}
         for world in worlds:
-            _, evaluated[world], calibration = _points(label, template, config, world, points_per_world,
-                                                       calibration_per_world)
+            evaluated[world], calibration = _points(label, problems[world], points_per_world, calibration_per_world)
             calibration_points.append((world, calibration))
         # calibrate the analytic weights on exact points disjoint from the evaluated ones
         samples_points, samples_peaks = [], []
         t0 = time.perf_counter()
         for world, pts in calibration_points:
-            model = CostModel(spec, template, Workload(world, GLOBAL_BATCH, SEQ), device)
+            model = CostModel(problems[world], device)
             for p in pts:
                 samples_points.append((world, p))
                 samples_peaks.append({s: b.total for s, b in model.exact(p).items()})
@@ -99,30 +101,28 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
 
         fit_samples = []
         for (world, p), peaks in zip(samples_points, samples_peaks):
-            layout = CostModel(spec, template, Workload(world, GLOBAL_BATCH, SEQ), device).layout
-            for st in memory_terms(layout, p, Workload(world, GLOBAL_BATCH, SEQ)):
+            layout = CostModel(problems[world], device).layout
+            for st in memory_terms(layout, p, problems[world].workload):
                 fit_samples.append((st.events, peaks[st.stage]))
         calibration = cal.fit(fit_samples)
         # the time model's weights from the calibration points' measured steps (disjoint from the evaluated)
         time_samples = []
         for world, pts in calibration_points:
-            workload = Workload(world, GLOBAL_BATCH, SEQ)
-            measured = launch(measure_points_rank, world, args=(spec, template.name, pts, workload, timed_steps),
-                              timeout=7200)
-            model = CostModel(spec, template, workload, device, calibration=calibration)
+            problem = problems[world]
+            measured = launch(measure_points_rank, world, args=(problem.spec, pts, timed_steps), timeout=7200)
+            model = CostModel(problem, device, calibration=calibration)
             for i, p in enumerate(pts):
-                time_samples.append((time_terms(model.layout, p, workload, device),
+                time_samples.append((time_terms(model.layout, p, problem.workload, device),
                                      statistics.median(measured[0][i]["step_times"])))
         calibration.time_weights = cal.fit_time(time_samples)
         calibration.time_points = len(time_samples)
         for world in worlds:
-            workload = Workload(world, GLOBAL_BATCH, SEQ)
-            model = CostModel(spec, template, workload, device, calibration=calibration)
-            default = CostModel(spec, template, workload, device, calibration=cal.Calibration(), layout=model.layout)
+            problem = problems[world]
+            model = CostModel(problem, device, calibration=calibration)
+            default = CostModel(problem, device, calibration=cal.Calibration(), layout=model.layout)
             pts = evaluated[world]
             t0 = time.perf_counter()
-            measured = launch(measure_points_rank, world, args=(spec, template.name, pts, workload, timed_steps),
-                              timeout=7200)
+            measured = launch(measure_points_rank, world, args=(problem.spec, pts, timed_steps), timeout=7200)
             measure_seconds = time.perf_counter() - t0
             for i, p in enumerate(pts):
                 t1 = time.perf_counter()
@@ -159,13 +159,10 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
     model keeps the weights that run fitted to measured steps."""
     import json
 
-    from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.cost_model import calibration as cal
     from slapo_tune.cost_model.analytic import memory_terms
-    from slapo_tune.realize import ModelSpec
     from slapo_tune.space import format_point
-    from slapo_tune.template import Workload
 
     out = results_dir()
     with open(out / "cost_model_points.csv") as f:
@@ -173,26 +170,23 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
     previous = json.loads((out / "cost_model_accuracy.json").read_text())["models"]
     device = hardware("cpu")
     rows, summary = [], {}
-    for label, (preset, overrides) in MODELS.items():
-        spec = ModelSpec(preset, overrides)
-        config = spec.config()
-        template = template_for(config)
+    for label in MODELS:
+        problems = {world: _problem(label, world) for world in worlds}
         fit_samples, evaluated = [], {}
         t0 = time.perf_counter()
         for world in worlds:
-            workload, evaluated[world], calibration = _points(label, template, config, world, points_per_world,
-                                                              calibration_per_world)
-            model = CostModel(spec, template, workload, device)
+            problem = problems[world]
+            evaluated[world], calibration = _points(label, problem, points_per_world, calibration_per_world)
+            model = CostModel(problem, device)
             for p in calibration:
                 peaks = {s: b.total for s, b in model.exact(p).items()}
-                fit_samples += [(st.events, peaks[st.stage]) for st in memory_terms(model.layout, p, workload)]
+                fit_samples += [(st.events, peaks[st.stage]) for st in memory_terms(model.layout, p, problem.workload)]
         calibration = cal.fit(fit_samples)
         calibration.time_weights = previous[label]["calibration"]["time_weights"]
         calibration.time_points = previous[label]["calibration"]["time_points"]
         for world in worlds:
-            workload = Workload(world, GLOBAL_BATCH, SEQ)
-            model = CostModel(spec, template, workload, device, calibration=calibration)
-            default = CostModel(spec, template, workload, device, calibration=cal.Calibration(), layout=model.layout)
+            model = CostModel(problems[world], device, calibration=calibration)
+            default = CostModel(problems[world], device, calibration=cal.Calibration(), layout=model.layout)
             for p in evaluated[world]:
                 analytic, plain = model.memory(p).per_stage, default.memory(p).per_stage
                 t1 = time.perf_counter()

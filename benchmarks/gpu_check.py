@@ -19,6 +19,10 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slapo_tune.problem import Problem
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -30,12 +34,12 @@ DEVICE = "cuda"
 
 def check_numerics() -> list[dict]:
     import slapo_tune as st
-    from search_spaces import template_for
+    from slapo_tune.problem import ProblemSpec
 
     out = []
     for preset in ("gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"):
-        config = st.load_config(preset)
-        template = template_for(config)
+        problem = ProblemSpec(preset, 1).resolve()
+        config, template = problem.config, problem.template
         point = {"tp": 1, "pp": 1, "ckpt_ratio": 0.5, "attn": "sdpa" if preset != "bert-tiny" else "eager",
                  "fuse": "on" if template.has_fusion else "off"}
         reference = st.build_model(preset)  # meta: verify gives it the scheduled model's initial weights
@@ -49,32 +53,33 @@ def check_numerics() -> list[dict]:
     return out
 
 
-def _trial(model: str, overrides: dict, knobs: dict, budget: int, global_batch: int, seq: int, steps: int = 3):
+def _problem(model: str, global_batch: int, seq: int, budget: int) -> Problem:
+    """One model on this CUDA device at world 1 in bf16 under ``budget`` bytes (resolved)."""
+    from slapo_tune.problem import ProblemSpec
+
+    return ProblemSpec(model, 1, global_batch=global_batch, seq_len=seq, dtype="bf16", device=DEVICE,
+                       memory_budget=budget).resolve()
+
+
+def _trial(problem: Problem, knobs: dict, steps: int = 3):
     from runners import run_trial
     from runners.trial import TrialSpec
 
-    spec = TrialSpec(model=model, model_overrides=overrides, knobs=knobs, world_size=1, global_batch=global_batch,
-                     seq_len=seq, dtype="bf16", memory_budget=budget, warmup_steps=1, measured_steps=steps,
-                     device="cuda", time_limit=240, name="gpu-check")
+    spec = TrialSpec(problem.spec, knobs, warmup_steps=1, measured_steps=steps, time_limit=240, name="gpu-check")
     return run_trial(spec)
 
 
 def check_memory(budget: int) -> list[dict]:
-    from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import ModelInfo, Workload
 
-    spec = ModelSpec("gpt2")
-    workload = Workload(1, 16, 512, "bf16")
-    template = template_for(spec.config())
-    space = template.space(ModelInfo.from_config(spec.config()), workload)
-    cost = CostModel(spec, template, workload, hardware("h200"))
+    problem = _problem("gpt2", 16, 512, budget)
+    space = problem.space
+    cost = CostModel(problem, hardware("h200"))
     rows = []
     for knobs in ({"micro_batch": 4, "ckpt_ratio": 0.0, "attn": "sdpa"}, {"micro_batch": 8, "ckpt_ratio": 0.5, "attn": "sdpa"},
                   {"micro_batch": 2, "ckpt_ratio": 1.0, "attn": "eager"}, {"micro_batch": 16, "ckpt_ratio": 1.0, "attn": "sdpa"}):
         point = space.complete({"tp": 1, "pp": 1, **knobs})
-        result = _trial("gpt2", {}, point, budget, 16, 512)
+        result = _trial(problem, point)
         measured = max(result.peak_memory) if result.peak_memory else None
         exact = max(b.total for b in cost.exact(point).values())
         analytic = cost.memory(point).peak
@@ -88,22 +93,17 @@ def check_memory(budget: int) -> list[dict]:
 
 
 def tune_350m(budget: int, tries: int) -> dict:
-    from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import ModelInfo, Workload
 
-    spec = ModelSpec("gpt2-medium")
-    workload = Workload(1, 32, 1024, "bf16")
-    template = template_for(spec.config())
-    space = template.space(ModelInfo.from_config(spec.config()), workload)
-    cost = CostModel(spec, template, workload, hardware("h200", memory=budget))
+    problem = _problem("gpt2-medium", 32, 1024, budget)
+    space, workload = problem.space, problem.workload
+    cost = CostModel(problem, hardware("h200", memory=budget))
     candidates = [p for p in space.enumerate({"tp": 1, "pp": 1}) if cost.verdict(p, budget).fits]
     ranked = sorted(candidates, key=lambda p: -cost.time(p).throughput(workload))
     default = space.complete({"tp": 1, "pp": 1, "micro_batch": 1, "ckpt_ratio": 1.0})
     tried = []
     for point in [default, *[p for p in ranked if p != default][:tries]]:
-        result = _trial("gpt2-medium", {}, point, budget, workload.global_batch, workload.seq_len)
+        result = _trial(problem, point)
         step = min(result.step_times) if result.step_times else None
         mfu = cost.mfu(step, 1) if step else None
         tried.append({"point": point, "status": result.status, "samples_per_s": result.samples_per_s,

@@ -20,6 +20,10 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slapo_tune.problem import ProblemSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,12 +91,20 @@ def versus_optimum(times: dict[str, list[float]], points: dict[str, dict], grid:
             "all_rounds_ratio": statistics.median(times[naive]) / statistics.median(times["tuned"])}
 
 
+def problem_spec(model: tuple, world: int, memory_budget: int | None = None) -> ProblemSpec:
+    """A workload's problem: ``model`` on ``world`` ranks, the headline's global batch and sequence
+    length."""
+    from slapo_tune.problem import ProblemSpec
+
+    return ProblemSpec(model[0], world, dict(model[1]), global_batch=GLOBAL_BATCH, seq_len=SEQ,
+                       memory_budget=memory_budget)
+
+
 def tune(model: tuple, world: int, trials: int, out: Path) -> dict:
     from runners import LocalRunner
     from slapo_tune.search import TuneConfig, Tuner
 
-    config = TuneConfig(model=model[0], model_overrides=dict(model[1]), world_size=world, memory_budget=BUDGET,
-                        out=out, global_batch=GLOBAL_BATCH, seq_len=SEQ, trials=trials, strategy="model",
+    config = TuneConfig(problem=problem_spec(model, world, BUDGET), out=out, trials=trials, strategy="model",
                         prune="exact", seed=0)
     runner = LocalRunner()
     try:
@@ -105,31 +117,22 @@ def tune(model: tuple, world: int, trials: int, out: Path) -> dict:
     return {"summary": summary, "tuner": tuner}
 
 
-def side_by_side_rank(ctx, spec, template_name: str, points: dict, workload, rounds: int, warmup: int) -> dict:
+def side_by_side_rank(ctx, spec: ProblemSpec, points: dict, rounds: int, warmup: int) -> dict:
     """All points realised on these ranks; one optimizer step of each per round, in a shuffled order."""
     import torch.distributed as dist
 
-    from search_spaces import load_template
-    from slapo_tune.data import synthetic_batch
-    from slapo_tune.realize import realize
-    from slapo_tune.runtime import default_optimizer
+    from slapo_tune.session import Session
 
-    template = load_template(template_name)
-    runs = {}
-    for name, point in points.items():
-        run = realize(spec, template, point, workload, seed=0)
-        runs[name] = (run, default_optimizer(run.stage.parameters()))
-    batch = synthetic_batch(runs[next(iter(runs))][0].stage.model.config.vocab_size, workload.global_batch,
-                            workload.seq_len)
+    problem = spec.resolve()
+    sessions = {name: Session(problem, problem.plan(point), seed=0) for name, point in points.items()}
+    batch = sessions[next(iter(sessions))].synthetic_batch()
     times = {name: [] for name in points}
-    for i, order in enumerate(round_orders(list(runs), warmup + rounds)):  # the same orders on every rank
+    for i, order in enumerate(round_orders(list(sessions), warmup + rounds)):  # the same orders on every rank
         for name in order:
-            run, optimizer = runs[name]
+            session = sessions[name]
             dist.barrier()
             t0 = time.perf_counter()
-            run.step(batch)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            float(session.train_step(batch))  # reading the loss waits for the step
             dist.barrier()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
@@ -137,15 +140,10 @@ def side_by_side_rank(ctx, spec, template_name: str, points: dict, workload, rou
 
 
 def measure(model: tuple, world: int, points: dict, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
-    from search_spaces import template_for
     from slapo_tune.launch import launch
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import Workload
 
-    spec = ModelSpec(model[0], dict(model[1]))
-    template = template_for(spec.config())
-    return launch(side_by_side_rank, world, args=(spec, template.name, points, Workload(world, GLOBAL_BATCH, SEQ),
-                                                  rounds, warmup), timeout=3600)[0]
+    return launch(side_by_side_rank, world, args=(problem_spec(model, world), points, rounds, warmup),
+                  timeout=3600)[0]
 
 
 def run(labels: list[str], trials: int, rounds: int, progress=print) -> dict:

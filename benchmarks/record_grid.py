@@ -6,8 +6,8 @@ reference grid is the exhaustive search of the headline's GPT-2 workload: every 
 measured, and every point that fits the budget by that measurement timed, so that the headline
 can say how far the tuned schedule is from the best one, and tests can check pruning against it.
 
-Peaks are measured by :func:`slapo_tune.cost_model.measure.measured_peak` (torch's MemTracker on
-CPU), a tool the cost model's predictions do not use. ``--reuse-times`` keeps the step times of
+Peaks are measured by :func:`slapo_tune.memory.measured_peak` (torch's MemTracker on CPU), a
+tool the cost model's predictions do not use. ``--reuse-times`` keeps the step times of
 points already timed in an earlier recording (timings need a quiet machine; memory does not).
 Run: ``python -m benchmarks.record_grid [--reference] [--out FILE] [--reuse-times]``.
 """
@@ -20,6 +20,10 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slapo_tune.problem import Problem, ProblemSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -28,14 +32,16 @@ DEFAULT_OUT = Path(__file__).with_name("data") / "gpt2_tiny_w2.csv"
 REFERENCE_OUT = Path(__file__).with_name("data") / "gpt2_ref_w1.csv"
 
 
-def grid_points() -> list[dict]:
-    from search_spaces import template_for
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import ModelInfo, Workload
+def grid_problem() -> Problem:
+    """The small grid's problem (resolved: its defaults filled in, its space built)."""
+    from slapo_tune.problem import ProblemSpec
 
-    config = ModelSpec(GRID["model"]).config()
-    space = template_for(config).space(ModelInfo.from_config(config),
-                                       Workload(GRID["world_size"], GRID["global_batch"], GRID["seq_len"]))
+    return ProblemSpec(GRID["model"], GRID["world_size"], global_batch=GRID["global_batch"],
+                       seq_len=GRID["seq_len"]).resolve()
+
+
+def grid_points(problem: Problem | None = None) -> list[dict]:
+    space = (problem or grid_problem()).space
     return [p for p in space.enumerate() if all(p[k] == v for k, v in GRID["fixed"].items())]
 
 
@@ -54,7 +60,7 @@ def _write(rows: list[dict], out: Path) -> None:
     print(f"wrote {out}")
 
 
-def _launch_chunks(spec, template_name: str, points: list[dict], workload, chunk: int, timed: int, tracked: int,
+def _launch_chunks(spec: ProblemSpec, points: list[dict], chunk: int, timed: int, tracked: int,
                    what: str) -> list[list[dict]]:
     """Each point's per-rank reports, ``chunk`` points per launch (ranks start once per chunk)."""
     from slapo_tune.cost_model.measure import measure_points_rank
@@ -63,21 +69,20 @@ def _launch_chunks(spec, template_name: str, points: list[dict], workload, chunk
     reports, t0 = [], time.perf_counter()
     for i in range(0, len(points), chunk):
         part = points[i:i + chunk]
-        per_rank = launch(measure_points_rank, workload.world_size,
-                          args=(spec, template_name, part, workload, timed, tracked), timeout=3600)
+        per_rank = launch(measure_points_rank, spec.world_size, args=(spec, part, timed, tracked), timeout=3600)
         reports += [[r[j] for r in per_rank] for j in range(len(part))]
         print(f"{what}: {len(reports)}/{len(points)} points in {time.perf_counter() - t0:.0f} s", flush=True)
     return reports
 
 
-def record(spec, template_name: str, points: list[dict], workload, chunk: int, budget: int | None = None,
+def record(spec: ProblemSpec, points: list[dict], chunk: int, budget: int | None = None,
            times_from: Path | None = None) -> list[dict]:
     """Rows of ``points``: the measured peak (the largest rank's) of every point, and the step
     times (the slowest rank per step) of every point that fits ``budget`` (all when None), reused
     from ``times_from`` where that recording timed the point."""
-    tracked = 2 if workload.world_size > 1 else 1  # gloo's late buffers: keep the smaller of two steps
+    tracked = 2 if spec.world_size > 1 else 1  # gloo's late buffers: keep the smaller of two steps
     peaks = [max(r["total"] for r in reports)
-             for reports in _launch_chunks(spec, template_name, points, workload, chunk, 0, tracked, "memory")]
+             for reports in _launch_chunks(spec, points, chunk, 0, tracked, "memory")]
     known = {}
     if times_from is not None and times_from.exists():
         with open(times_from) as f:
@@ -85,7 +90,7 @@ def record(spec, template_name: str, points: list[dict], workload, chunk: int, b
                      for r in csv.DictReader(f) if r.get("step_s")}
     fits = [budget is None or peak <= budget for peak in peaks]
     to_time = [p for p, fit in zip(points, fits) if fit and _key(p) not in known]
-    timed = dict(zip(map(_key, to_time), _launch_chunks(spec, template_name, to_time, workload, chunk, 3, 0, "time")))
+    timed = dict(zip(map(_key, to_time), _launch_chunks(spec, to_time, chunk, 3, 0, "time")))
     rows = []
     for point, peak, fit in zip(points, peaks, fits):
         step_s, step_times = "", ""
@@ -102,16 +107,10 @@ def record(spec, template_name: str, points: list[dict], workload, chunk: int, b
 def record_reference(out: Path, chunk: int, times_from: Path | None) -> None:
     """Every point of the headline's GPT-2 workload (world 1): its measured peak; timed if it fits."""
     from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
-    from search_spaces import template_for
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import ModelInfo, Workload
+    from slapo_tune.problem import ProblemSpec
 
-    spec = ModelSpec(GPT2_REF[0], dict(GPT2_REF[1]))
-    config = spec.config()
-    template = template_for(config)
-    workload = Workload(1, GLOBAL_BATCH, SEQ)
-    points = list(template.space(ModelInfo.from_config(config), workload).enumerate())
-    rows = record(spec, template.name, points, workload, chunk, BUDGET, times_from)
+    problem = ProblemSpec(GPT2_REF[0], 1, dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH, seq_len=SEQ).resolve()
+    rows = record(problem.spec, list(problem.space.enumerate()), chunk, BUDGET, times_from)
     print(f"{sum(1 for r in rows if r['step_s'] != '')} of {len(rows)} points fit {BUDGET / 2**20:.0f} MiB")
     _write(rows, out)
 
@@ -131,14 +130,8 @@ def main(argv=None) -> None:
         record_reference(out, args.chunk, times_from)
         return
 
-    from search_spaces import template_for
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import Workload
-
-    spec = ModelSpec(GRID["model"])
-    workload = Workload(GRID["world_size"], GRID["global_batch"], GRID["seq_len"])
-    _write(record(spec, template_for(spec.config()).name, grid_points(), workload, args.chunk,
-                  times_from=times_from), out)
+    problem = grid_problem()
+    _write(record(problem.spec, grid_points(problem), args.chunk, times_from=times_from), out)
 
 
 if __name__ == "__main__":

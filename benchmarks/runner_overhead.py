@@ -28,6 +28,7 @@ def main(argv=None) -> dict:
 
     from runners import LocalRunner, TrialSpec
     from runners.ray_runner import RayRunner
+    from slapo_tune.problem import ProblemSpec
 
     tmp = tempfile.mkdtemp(prefix="slapo-bench-ray-")
     os.makedirs(os.path.join(tmp, "ray"), exist_ok=True)
@@ -37,11 +38,12 @@ def main(argv=None) -> dict:
     summary = {}
     try:
         for world in args.worlds:
+            problem = ProblemSpec("gpt2-tiny", world, global_batch=8, seq_len=32)
             figures = {name: {"overhead": [], "train": []} for name in runners}
             for i in range(args.repeats):
                 for name, runner in runners.items():
-                    spec = TrialSpec("gpt2-tiny", {"tp": 2, "micro_batch": 2}, world_size=world, global_batch=8,
-                                     seq_len=32, measured_steps=2, time_limit=300, name=f"bench-{name}-{world}-{i}")
+                    spec = TrialSpec(problem, {"tp": 2, "micro_batch": 2}, measured_steps=2, time_limit=300,
+                                     name=f"bench-{name}-{world}-{i}")
                     result = runner.run(spec)
                     if result.status != "ok":
                         raise SystemExit(f"{name} trial failed: {result.error}")

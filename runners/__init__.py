@@ -6,6 +6,6 @@ whatever happens (``ok``, ``oom``, ``timeout``, ``crash`` or ``invalid``).
 
 from ._base import Runner
 from .local import CorePool, LocalRunner, run_trial
-from .trial import STATUSES, TrialResult, TrialSpec
+from .trial import TrialResult, TrialSpec
 
-__all__ = ["STATUSES", "CorePool", "LocalRunner", "Runner", "TrialResult", "TrialSpec", "run_trial"]
+__all__ = ["CorePool", "LocalRunner", "Runner", "TrialResult", "TrialSpec", "run_trial"]

@@ -8,8 +8,9 @@ from typing import Any
 
 from slapo_tune.errors import SlapoTuneError
 from slapo_tune.launch import RankFailure
+from slapo_tune.plan import TrialStatus
 
-from .trial import TrialResult, TrialSpec, failure, resolve_point, summarize
+from .trial import TrialResult, TrialSpec, failure, resolve, summarize
 
 
 class Runner(abc.ABC):
@@ -22,9 +23,10 @@ class Runner(abc.ABC):
     def run(self, spec: TrialSpec) -> TrialResult:
         t0 = time.perf_counter()
         try:
-            point = resolve_point(spec)
+            spec, point = resolve(spec)
         except SlapoTuneError as exc:
-            return failure(spec, dict(spec.knobs), "invalid", str(exc), time.perf_counter() - t0, self.name)
+            return failure(spec, dict(spec.knobs), TrialStatus.INVALID, str(exc), time.perf_counter() - t0,
+                           self.name)
         try:
             per_rank = self._execute(spec, point)
         except RankFailure as exc:

@@ -16,11 +16,10 @@ from typing import Any
 
 from slapo_tune.errors import UsageError
 from slapo_tune.launch import RankFailure
+from slapo_tune.plan import SHORT_NAMES
 
 from ._base import Runner
 from .trial import TrialSpec, trial_rank
-
-SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "pipeline_schedule": "sched"}
 
 
 def actor_name(spec: TrialSpec, point: dict[str, Any], rank: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from slapo_tune.plan import TrialStatus
 from slapo_tune.space import point_key
 
 from ._base import Runner
@@ -26,11 +27,11 @@ class ReplayRunner(Runner):
         raise NotImplementedError  # run() is overridden: nothing is executed
 
     def run(self, spec: TrialSpec) -> TrialResult:
-        from .trial import resolve_point
+        from .trial import resolve
 
-        point = resolve_point(spec)
+        _, point = resolve(spec)
         self.launched.append(point)
         recorded = self.table.get(point_key(point))
         if recorded is None:
-            return TrialResult(status="crash", knobs=point, error="no recorded result for this point", runner=self.name)
+            return TrialResult(status=TrialStatus.CRASH, knobs=point, error="no recorded result for this point", runner=self.name)
         return recorded

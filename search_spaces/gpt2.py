@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from slapo_tune import bias_then
+from slapo_tune._graph import bias_then
 from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
 

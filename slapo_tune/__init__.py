@@ -29,7 +29,10 @@ from .errors import (  # noqa: E402
     UsageError,
     VerificationError,
 )
-from .models import build_model, config_fingerprint, load_config, preset_names  # noqa: E402
+from .models import ModelSpec, build_model, config_fingerprint, load_config, preset_names  # noqa: E402
+from .plan import Plan, TrialStatus  # noqa: E402
+from .problem import Problem, ProblemSpec  # noqa: E402
+from .session import Session  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -39,15 +42,21 @@ __all__ = [
     "LoadedSchedule",
     "Match",
     "MaterializeError",
+    "ModelSpec",
     "PatternError",
     "PipelineError",
+    "Plan",
+    "Problem",
+    "ProblemSpec",
     "Schedule",
     "ScheduleError",
     "ScheduleKeyError",
     "ShardingError",
+    "Session",
     "SlapoTuneError",
     "SyncError",
     "TraceError",
+    "TrialStatus",
     "UsageError",
     "VerificationError",
     "VerifyReport",

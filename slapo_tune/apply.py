@@ -3,7 +3,7 @@
 ``load_schedule`` checks everything a file can get wrong before any process group or model exists
 (format, version, template, knob legality for the model and world size, the model's config
 fingerprint), so a bad file costs one line, not a hung job. ``apply_schedule`` then goes through
-the same path as trials (:func:`slapo_tune.realize.realize`): what was measured is what trains.
+the same path as trials (:class:`slapo_tune.session.Session`): what was measured is what trains.
 """
 
 from __future__ import annotations
@@ -17,36 +17,41 @@ from typing import Any
 from torch import nn
 
 from .errors import UsageError
-from .realize import ModelSpec, Realized, realize
+from .models import ModelSpec
+from .plan import Plan, Workload
+from .problem import Problem, ProblemSpec
 from .schedule_file import read_schedule, validate
-from .template import ModelInfo, Template, Workload
+from .session import Session
+from .template import Template
 
 log = logging.getLogger("slapo_tune")
 
 
 @dataclass
 class LoadedSchedule:
-    """A validated schedule file: its template, complete legal point and workload."""
+    """A validated schedule file: the problem it solves and its plan."""
 
     data: dict[str, Any]
-    template: Template
-    point: dict[str, Any]
-    workload: Workload
-    model: ModelSpec
+    problem: Problem
+    plan: Plan
     source: str = ""
     overridden: list[str] = field(default_factory=list)  # checks the user chose to override
 
     @property
+    def template(self) -> Template:
+        return self.problem.template
+
+    @property
+    def workload(self) -> Workload:
+        return self.problem.workload
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.problem.model
+
+    @property
     def world_size(self) -> int:
         return self.workload.world_size
-
-    @property
-    def micro_batch(self) -> int:
-        return self.point["micro_batch"]
-
-    @property
-    def accumulation(self) -> int:
-        return self.data["accumulation"]
 
 
 def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str | ModelSpec | None = None,
@@ -64,7 +69,6 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     from search_spaces import TEMPLATES
 
     from .models import config_fingerprint
-    from .space import coerce
 
     if isinstance(source, Mapping):
         where = "schedule"
@@ -108,42 +112,44 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     if str(template.version) != data["template"]["version"]:
         raise UsageError(f"{where}: template {template.name} is version {template.version} here but the schedule "
                          f"was made with version {data['template']['version']}; re-tune with this slapo-tune")
-    positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and data["seq_len"] > positions:
-        raise UsageError(f"{where}: seq_len {data['seq_len']} is longer than {spec.name}'s {positions} positions")
-    workload = Workload(data["world_size"], data["global_batch"], data["seq_len"], data["dtype"])
-    space = template.space(ModelInfo.from_config(config), workload)
-    knobs = data["knobs"]
-    missing = [k for k in space.names if k not in knobs]
-    if missing:
-        raise UsageError(f"{where}: knobs {', '.join(missing)} missing (template {template.name} has "
-                         f"{', '.join(space.names)})")
+    problem_spec = ProblemSpec(spec.name, data["world_size"], model_overrides=dict(spec.overrides), template=name,
+                               global_batch=data["global_batch"], seq_len=data["seq_len"], dtype=data["dtype"],
+                               device=data["device"])
     try:
-        point = space.complete(coerce(space, {k: str(v) for k, v in knobs.items()}))
+        problem = problem_spec.resolve(config, template)
     except UsageError as exc:
         raise UsageError(f"{where}: {exc}") from None
-    if point != {k: knobs[k] for k in space.names}:  # a value of the wrong type (tp "2" or 2.0)
-        changed = [k for k in space.names if point[k] != knobs[k] or type(point[k]) is not type(knobs[k])]
-        raise UsageError(f"{where}: knob {changed[0]}={knobs[changed[0]]!r} should be a "
-                         f"{type(point[changed[0]]).__name__}")
+    knobs = data["knobs"]
+    missing = [k for k in problem.space.names if k not in knobs]
+    if missing:
+        raise UsageError(f"{where}: knobs {', '.join(missing)} missing (template {template.name} has "
+                         f"{', '.join(problem.space.names)})")
+    try:
+        plan = problem.plan({k: str(v) for k, v in knobs.items()})
+    except UsageError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    wrong_type = [k for k in problem.space.names if type(plan[k]) is not type(knobs[k])]
+    if wrong_type:  # a value of the wrong type (tp "2" or 2.0)
+        raise UsageError(f"{where}: knob {wrong_type[0]}={knobs[wrong_type[0]]!r} should be a "
+                         f"{type(plan[wrong_type[0]]).__name__}")
     for name in ("micro_batch", "accumulation"):
-        expected_value = point["micro_batch"] if name == "micro_batch" else \
-            data["global_batch"] // (point["dp"] * point["micro_batch"])
-        if data[name] != expected_value:
-            raise UsageError(f"{where}: {name}={data[name]} does not follow from the knobs (expected {expected_value})")
-    return LoadedSchedule(data, template, point, workload, spec, where, overridden)
+        if data[name] != getattr(plan, name):
+            raise UsageError(f"{where}: {name}={data[name]} does not follow from the knobs (expected "
+                             f"{getattr(plan, name)})")
+    return LoadedSchedule(data, problem, plan, where, overridden)
 
 
 def apply_schedule(model: nn.Module | None, schedule: LoadedSchedule | str | os.PathLike, *,
-                   device=None, seed: int = 0, topology=None) -> Realized:
+                   device=None, seed: int = 0, topology=None, lr: float | None = None) -> Session:
     """Schedule and build this rank's part of the model; call on every rank of the job.
 
     ``model`` is the unscheduled model: real weights (e.g. loaded with ``from_pretrained``) are
     kept and sliced, never re-initialised; ``None`` (or meta tensors) initialises from ``seed``.
-    Returns the stage module (``.stage``, whose parameters go to the optimizer), the training step
-    (``.step(batch)`` runs micro-batching, the pipeline and gradient synchronisation over the
-    global batch and returns the mean loss), the process groups (``.topology``) and the
-    accumulation count. The process group must already be initialised with the schedule's world
+    Returns the rank's :class:`~slapo_tune.session.Session`: ``.train_step(batch)`` runs
+    micro-batching, the pipeline, gradient synchronisation and the optimizer update over the
+    global batch and returns the mean loss; for a loop of your own, ``.stage`` (the module whose
+    parameters an optimizer takes), ``.step(batch)`` (gradients only), ``.topology`` (the process
+    groups) and ``.plan``. The process group must already be initialised with the schedule's world
     size.
     """
     import torch.distributed as dist
@@ -155,5 +161,4 @@ def apply_schedule(model: nn.Module | None, schedule: LoadedSchedule | str | os.
     if dist.get_world_size() != loaded.world_size:
         raise UsageError(f"the schedule is for {loaded.world_size} ranks but the process group has "
                          f"{dist.get_world_size()}")
-    return realize(loaded.model, loaded.template, loaded.point, loaded.workload, seed=seed, device=device,
-                   topology=topology, model=model)
+    return Session(loaded.problem, loaded.plan, seed=seed, device=device, topology=topology, model=model, lr=lr)

@@ -216,3 +216,18 @@ def config_fingerprint(config) -> str:
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameters (tied ones once), valid on the meta device too."""
     return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to build: a preset name or config path, plus config overrides (picklable: it is
+    what crosses to ranks and Ray actors instead of a model)."""
+
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, device: str | torch.device = "meta") -> nn.Module:
+        return build_model(self.name, device=device, **self.overrides)
+
+    def config(self):
+        return load_config(self.name, **self.overrides)

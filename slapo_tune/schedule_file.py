@@ -13,6 +13,7 @@ from typing import Any
 
 from ._atomic import atomic_write_text
 from .errors import UsageError
+from .plan import Plan
 
 FORMAT = "slapo-tune-schedule"
 VERSION = 1
@@ -62,15 +63,16 @@ def _installed_versions() -> dict[str, str]:
     return out
 
 
-def make_schedule(*, template: Mapping[str, str], knobs: Mapping[str, Any], world_size: int, global_batch: int,
-                  seq_len: int, dtype: str, model: Mapping[str, Any], device: str, accumulation: int,
+def make_schedule(*, template: Mapping[str, str], plan: Plan, world_size: int, global_batch: int,
+                  seq_len: int, dtype: str, model: Mapping[str, Any], device: str,
                   measured: Mapping[str, Any] | None = None, predicted: Mapping[str, Any] | None = None,
                   study: str = "") -> dict[str, Any]:
+    """The schedule file of ``plan`` (its knobs, layout and batch sizes come from the plan only)."""
     return {
-        "format": FORMAT, "version": VERSION, "template": dict(template), "knobs": dict(knobs),
+        "format": FORMAT, "version": VERSION, "template": dict(template), "knobs": plan.knobs(),
         "world_size": world_size,
-        "layout": {k: knobs[k] for k in ("tp", "pp", "dp", "zero") if k in knobs},
-        "global_batch": global_batch, "micro_batch": knobs["micro_batch"], "accumulation": accumulation,
+        "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero": plan.zero},
+        "global_batch": global_batch, "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
         "seq_len": seq_len, "dtype": dtype, "model": dict(model), "device": device,
         "versions": library_versions(), "measured": dict(measured or {}), "predicted": dict(predicted or {}),
         "study": study, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

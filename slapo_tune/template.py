@@ -9,7 +9,8 @@ block by block), 3. tensor parallelism (``tp``), 4. activation checkpointing (``
 spread uniformly over the blocks), 5. pipeline cuts (``pp``, equal block counts). ``build`` then
 adds data parallelism (``dp``, ``zero``), and the runtime runs ``micro_batch`` x accumulation.
 
-The global batch is held fixed: ``global_batch = dp * micro_batch * accumulation``.
+The global batch is held fixed: ``global_batch = dp * micro_batch * accumulation``
+(:func:`slapo_tune.plan.accumulation`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ._graph import fuse_linears
 from ._schedule import Schedule, create_schedule
 from .errors import ScheduleError
 from .parallelize import apply_checkpointing, apply_pipeline_cuts, apply_tensor_parallel, glob_to_regex
+from .plan import Workload, accumulation
 from .space import Knob, Point, Space, divisors
 
 CKPT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -62,22 +64,6 @@ class ModelInfo:
             vocab=config.vocab_size,
             intermediate=inter,
         )
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What is trained: world size, the fixed global batch, the sequence length and the compute
-    dtype (``fp32``, or ``bf16``/``fp16`` under autocast with fp32 parameters and optimizer)."""
-
-    world_size: int
-    global_batch: int
-    seq_len: int = 128
-    dtype: str = "fp32"
-
-
-def accumulation(point: Mapping[str, Any], workload: Workload) -> int:
-    """Micro-batches per optimizer step on each data-parallel replica."""
-    return workload.global_batch // (point["dp"] * point["micro_batch"])
 
 
 def _distinct_ratios(layers: int) -> list[float]:
@@ -149,8 +135,7 @@ class Template:
         def schedule_choices(p: Point) -> list[str]:
             if p["pp"] == 1:
                 return ["1f1b"]  # one stage: both schedules are plain accumulation
-            accum = gb // (p["dp"] * p["micro_batch"])
-            return ["gpipe", "1f1b"] if accum >= p["pp"] else ["gpipe"]
+            return ["gpipe", "1f1b"] if accumulation(workload, p["dp"], p["micro_batch"]) >= p["pp"] else ["gpipe"]
 
         knobs = [
             Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)"),

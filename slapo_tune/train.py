@@ -4,31 +4,25 @@ One rank function, :func:`train_rank`, serves both launches: ``slapo-tune train`
 schedule's number of local ranks itself, and under ``torchrun`` each process runs it directly
 (the process group comes from the usual environment variables).
 
-Checkpoints are per rank (each rank saves the shards it holds: parameters, AdamW state and its
-random-number state) under ``DIR/step-NNNNNN/``; ``DIR/latest`` names the newest complete one and
-is written last, atomically, so a job killed while saving resumes from the previous checkpoint.
-Batches are a function of the step (:class:`~slapo_tune.data.TrainingData`), so a resumed job
+The steps, the optimizer, the precision and the checkpoints are the rank's
+:class:`~slapo_tune.session.Session`'s, the same as a trial's: a schedule trains as it was
+measured. Checkpoints are per rank (:mod:`slapo_tune.checkpoint`). Batches are a function of the step (:class:`~slapo_tune.data.TrainingData`), so a resumed job
 continues the uninterrupted job's loss curve exactly.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._atomic import atomic_write_text
+from .checkpoint import latest_checkpoint
 from .errors import UsageError
 
-LATEST = "latest"
 log = logging.getLogger("slapo_tune")
 
 
@@ -47,13 +41,6 @@ class TrainConfig:
     resume: str | None = None
     init_from: str | None = None  # a Hugging Face checkpoint folder (save_pretrained)
     log_every: int = 1
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly distributed) tensor this rank holds, sharing its storage."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def checkpoint_files(folder: str) -> list[Path]:
@@ -106,83 +93,6 @@ def pretrained_model(folder: str, spec) -> torch.nn.Module:
     return model
 
 
-# ------------------------------------------------------------------ checkpoints
-def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:06d}"
-
-
-def save_checkpoint(root: str | os.PathLike, step: int, stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int, meta: dict[str, Any], keep: int = 2) -> Path:
-    """Every rank writes its shard; rank 0 then points ``latest`` at the step (all ranks call it)."""
-    root = Path(root)
-    folder = _step_dir(root, step)
-    folder.mkdir(parents=True, exist_ok=True)
-    names = {p: name for name, p in stage.named_parameters()}
-    state = {
-        "step": step,
-        "params": {name: _local(p).detach().clone() for p, name in names.items()},
-        "optimizer": {names[p]: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
-                      for p, s in optimizer.state.items()},
-        "rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
-    }
-    tmp = folder / f".rank-{rank:05d}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / f"rank-{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        atomic_write_text(folder / "meta.json", json.dumps({**meta, "step": step}, indent=1))
-        atomic_write_text(root / LATEST, folder.name + "\n")
-        for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
-            if old != folder:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return folder
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path:
-    root = Path(root)
-    try:
-        name = (root / LATEST).read_text().strip()
-    except OSError:
-        raise UsageError(f"--resume {root}: no checkpoint there (no '{LATEST}' file)") from None
-    folder = root / name
-    if not (folder / "meta.json").is_file():
-        raise UsageError(f"--resume {root}: checkpoint {name} is incomplete")
-    return folder
-
-
-def load_checkpoint(folder: Path, stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int) -> dict[str, Any]:
-    """Restore this rank's shard in place; returns the checkpoint's metadata."""
-    meta = json.loads((folder / "meta.json").read_text())
-    try:
-        state = torch.load(folder / f"rank-{rank:05d}.pt", map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UsageError(f"--resume: {folder} has no shard for rank {rank}") from None
-    params = dict(stage.named_parameters())
-    if set(state["params"]) != set(params):
-        raise UsageError(f"--resume: {folder} holds other parameters than this schedule's stage on rank {rank}")
-    with torch.no_grad():
-        for name, p in params.items():
-            _local(p).copy_(state["params"][name])
-        for name, saved in state["optimizer"].items():
-            p = params[name]
-            restored = {}
-            for k, v in saved.items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    t = torch.zeros_like(p)
-                    _local(t).copy_(v)
-                    restored[k] = t
-                else:
-                    restored[k] = v.clone() if torch.is_tensor(v) else v
-            optimizer.state[p] = restored
-    torch.set_rng_state(state["rng"])
-    if state.get("cuda_rng") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng"])
-    return meta
-
-
 # ------------------------------------------------------------------ the job
 def train_rank(ctx, config: TrainConfig) -> list[float]:
     """Train on this rank; returns the loss of every step run (rank 0 logs them)."""
@@ -192,19 +102,19 @@ def train_rank(ctx, config: TrainConfig) -> list[float]:
     rank = dist.get_rank()
     loaded = load_schedule(config.schedule, model=config.model, world_size=dist.get_world_size(),
                            allow_model_mismatch=config.allow_model_mismatch)
-    device = getattr(ctx, "device", None) or "cpu"
     torch.manual_seed(config.seed)
     model = pretrained_model(config.init_from, loaded.model) if config.init_from else None
-    run = apply_schedule(model, loaded, device=device, seed=config.seed)
-    optimizer = torch.optim.AdamW(run.stage.parameters(), lr=config.lr)
-    vocab = run.stage.model.config.vocab_size
-    data = TrainingData(config.data, vocab, loaded.workload.global_batch, loaded.workload.seq_len, config.seed)
-    meta = {"schedule": loaded.point, "world_size": loaded.world_size, "model": loaded.model.name,
+    session = apply_schedule(model, loaded, device=getattr(ctx, "device", None) or "cpu", seed=config.seed,
+                             lr=config.lr)
+    workload = loaded.workload
+    data = TrainingData(config.data, session.stage.model.config.vocab_size, workload.global_batch, workload.seq_len,
+                        config.seed)
+    meta = {"schedule": loaded.plan.knobs(), "world_size": loaded.world_size, "model": loaded.model.name,
             "data": config.data, "seed": config.seed, "lr": config.lr}
     start, losses = 0, []
     if config.resume:
         folder = latest_checkpoint(config.resume)
-        saved = load_checkpoint(folder, run.stage, optimizer, rank)
+        saved = session.restore(folder)
         mismatch = [k for k in ("schedule", "world_size", "data", "seed", "lr") if saved.get(k) != meta[k]]
         if mismatch:
             raise UsageError(f"--resume {config.resume}: the checkpoint was made with another {mismatch[0]} "
@@ -212,21 +122,16 @@ def train_rank(ctx, config: TrainConfig) -> list[float]:
         start, losses = saved["step"], list(saved.get("losses", []))
         if rank == 0:
             print(f"resumed from {folder} at step {start}", flush=True)
-    tokens = loaded.workload.global_batch * loaded.workload.seq_len
+    tokens = workload.global_batch * workload.seq_len
     for step in range(start, config.steps):
-        t0 = time.perf_counter()
-        loss = run.step(data.batch(step))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - t0
+        loss, seconds, _ = session.timed_step(data.batch(step))
         losses.append(loss)
         if rank == 0 and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
-            print(f"step {step + 1}/{config.steps} loss {loss:.6f} {loaded.workload.global_batch / seconds:.1f} "
+            print(f"step {step + 1}/{config.steps} loss {loss:.6f} {workload.global_batch / seconds:.1f} "
                   f"samples/s {tokens / seconds:.0f} tokens/s", flush=True)
         last = step + 1 == config.steps
         if config.save and (last or (config.save_every and (step + 1) % config.save_every == 0)):
-            save_checkpoint(config.save, step + 1, run.stage, optimizer, rank, {**meta, "losses": losses},
-                            config.keep)
+            session.save(config.save, step + 1, {**meta, "losses": losses}, config.keep)
     return losses
 
 

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from search_spaces import template_for
-from slapo_tune.cli import main, parse_size
+from slapo_tune.cli import main
 from slapo_tune.cost_model import CostModel, hardware
 from slapo_tune.cost_model.analytic import memory_terms
 from slapo_tune.cost_model.hardware import Hardware
 from slapo_tune.cost_model.measure import measure_points_rank
 from slapo_tune.launch import launch
-from slapo_tune.realize import ModelSpec
-from slapo_tune.template import Workload
+from slapo_tune.plan import Workload
+from slapo_tune.problem import ProblemSpec
+from slapo_tune.units import parse_size
 
 CPU = Hardware("test-cpu", 16 * 2**30, 1e10, 1e9, 1e9, 5e-5, 2, 4e-4, 2)
 BASE = dict(tp=1, pp=1, dp=1, zero=0, micro_batch=2, ckpt_ratio=0.0, pipeline_schedule="1f1b", attn="sdpa", fuse="off")
@@ -39,9 +39,14 @@ MEMORY_POINTS = [
 WORLD, MEMORY_WORKLOAD = 2, Workload(2, 8, 32)
 
 
-def _memory_spec(preset: str) -> ModelSpec:
+def _problem(model: str, workload: Workload, **overrides) -> ProblemSpec:
+    return ProblemSpec(model, workload.world_size, model_overrides=overrides, global_batch=workload.global_batch,
+                       seq_len=workload.seq_len, dtype=workload.dtype)
+
+
+def _memory_spec(preset: str) -> ProblemSpec:
     # hidden 256 so that activations, not the 512-token vocabulary, dominate (as in real models)
-    return ModelSpec(preset, {"n_embd": 256} if preset.startswith("gpt2") else {"hidden_size": 256})
+    return _problem(preset, MEMORY_WORKLOAD, **({"n_embd": 256} if preset.startswith("gpt2") else {"hidden_size": 256}))
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +58,8 @@ def real_steps() -> dict[tuple, list[dict]]:
     for preset in dict.fromkeys(p for p, _ in MEMORY_POINTS):
         indices = [i for i, (p, _) in enumerate(MEMORY_POINTS) if p == preset]
         spec = _memory_spec(preset)
-        per_rank = launch(real_steps_rank, WORLD, args=(spec, template_for(spec.config()).name,
-                                                         [_point(WORLD, **MEMORY_POINTS[i][1]) for i in indices],
-                                                         MEMORY_WORKLOAD), timeout=600)
+        per_rank = launch(real_steps_rank, WORLD, args=(spec, [_point(WORLD, **MEMORY_POINTS[i][1]) for i in indices]),
+                          timeout=600)
         out.update({(preset, i): [reports[j] for reports in per_rank] for j, i in enumerate(indices)})
     return out
 
@@ -69,8 +73,9 @@ def test_exact_mode_matches_a_measured_real_step(real_steps, index):
     preset, knobs = MEMORY_POINTS[index]
     spec = _memory_spec(preset)
     point = _point(WORLD, **knobs)
-    exact = CostModel(spec, template_for(spec.config()), MEMORY_WORKLOAD, CPU).exact(point)
-    late_buffer = point["micro_batch"] * MEMORY_WORKLOAD.seq_len * spec.config().hidden_size * 4 if point["tp"] > 1 else 0
+    problem = spec.resolve()
+    exact = CostModel(problem, CPU).exact(point)
+    late_buffer = point["micro_batch"] * MEMORY_WORKLOAD.seq_len * problem.config.hidden_size * 4 if point["tp"] > 1 else 0
     for m in real_steps[(preset, index)]:
         predicted = exact[m["stage"]].total
         assert 0 <= m["total"] - predicted <= late_buffer, (m["stage"], predicted, m["total"])
@@ -99,9 +104,8 @@ def _closed_form_llama_params(stage, pp, tp, layers=80, h=8192, heads=64, kv=8, 
 
 @pytest.mark.parametrize("tp,pp,dp,zero", [(8, 8, 1, 0), (4, 4, 4, 3), (8, 1, 8, 3), (2, 16, 2, 0)])
 def test_llama70b_model_states_match_the_closed_form(tp, pp, dp, zero):
-    spec = ModelSpec("llama-70b")
     workload = Workload(64, 512, 4096, "bf16")
-    model = CostModel(spec, template_for(spec.config()), workload, hardware("a100-80gb"))
+    model = CostModel(_problem("llama-70b", workload).resolve(), hardware("a100-80gb"))
     # micro-batch = global/dp: no accumulation, so ZeRO-3 shards the gradients too
     point = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=512 // dp, ckpt_ratio=1.0,
                  pipeline_schedule="gpipe" if pp > 1 else "1f1b", attn="sdpa", fuse="off")
@@ -119,15 +123,13 @@ def test_calibration_improves_held_out_points_and_is_cached(tmp_path, monkeypatc
     """Calibrated on six points' exact peaks, the analytic model predicts four other points' measured
     peaks better than uncalibrated, and within the uncertainty it states (which prunes by it)."""
     monkeypatch.setenv("SLAPO_TUNE_CACHE", str(tmp_path))
-    spec = ModelSpec("gpt2-tiny", {"n_embd": 128})
-    template = template_for(spec.config())
-    workload = Workload(1, 8, 64)
-    model = CostModel(spec, template, workload, CPU)
+    spec = _problem("gpt2-tiny", Workload(1, 8, 64), n_embd=128)
+    model = CostModel(spec.resolve(), CPU)
     fitted = [_point(1, micro_batch=mb, ckpt_ratio=c, attn=a) for mb, c, a in
               [(1, 0.0, "sdpa"), (8, 0.0, "eager"), (4, 1.0, "sdpa"), (2, 0.5, "eager"), (8, 1.0, "sdpa"), (1, 1.0, "eager")]]
     held_out = [_point(1, micro_batch=mb, ckpt_ratio=c, attn=a) for mb, c, a in
                 [(2, 0.0, "eager"), (4, 0.25, "sdpa"), (8, 0.75, "eager"), (1, 0.5, "sdpa")]]
-    measured = [r["total"] for r in launch(measure_points_rank, 1, args=(spec, template.name, held_out, workload, 1),
+    measured = [r["total"] for r in launch(measure_points_rank, 1, args=(spec, held_out, 1),
                                            timeout=300)[0]]
 
     def worst_error(m):
@@ -138,14 +140,13 @@ def test_calibration_improves_held_out_points_and_is_cached(tmp_path, monkeypatc
     after = worst_error(model)
     assert calibration.points == len(fitted) and calibration.source == "exact"
     assert after < before and after <= calibration.uncertainty, (before, after, calibration.uncertainty)
-    again = CostModel(spec, template, workload, CPU)  # picks the cached calibration up
+    again = CostModel(spec.resolve(), CPU)  # picks the cached calibration up
     assert again.calibration.weights == pytest.approx(calibration.weights)
     assert list(tmp_path.glob("calibration-test-cpu-gpt2-fp32.json"))
 
 
 def test_verdict_prunes_only_beyond_the_uncertainty():
-    spec = ModelSpec("gpt2-tiny")
-    model = CostModel(spec, template_for(spec.config()), Workload(1, 8, 64), CPU)
+    model = CostModel(_problem("gpt2-tiny", Workload(1, 8, 64)).resolve(), CPU)
     point = _point(1)
     pred = model.memory(point)
     assert model.verdict(point, pred.peak).fits
@@ -217,7 +218,7 @@ def _reduce_scatter(tracker) -> int:
 def _measured_reduce_scatter_peak(ctx) -> int:
     import torch
 
-    from slapo_tune.cost_model.measure import StepMemTracker
+    from slapo_tune.memory import StepMemTracker
 
     return _reduce_scatter(StepMemTracker()).get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
@@ -251,11 +252,10 @@ def test_exact_mode_steady_state_gives_the_peak_of_the_whole_step(knobs):
     (in a quarter of the time), but for the one-element loss each micro-batch leaves behind."""
     from slapo_tune.cost_model.exact import exact_memory, steady_state_workload
 
-    spec, point = _memory_spec("gpt2-tiny"), _point(WORLD, **knobs)
-    template = template_for(spec.config())
+    problem, point = _memory_spec("gpt2-tiny").resolve(), _point(WORLD, **knobs)
     assert steady_state_workload(point, MEMORY_WORKLOAD).global_batch == 2 * point["dp"]
-    steady = exact_memory(spec, template, point, MEMORY_WORKLOAD)[0]
-    whole = exact_memory(spec, template, point, MEMORY_WORKLOAD, steady_state=False)[0]
+    steady = exact_memory(problem, point)[0]
+    whole = exact_memory(problem, point, steady_state=False)[0]
     micro_batches = MEMORY_WORKLOAD.global_batch // point["dp"]
     assert 0 <= whole.total - steady.total <= 4 * micro_batches and steady.total > 2**20
 
@@ -264,12 +264,9 @@ def test_time_model_charges_small_micro_batches_for_small_gemms_and_gradient_pas
     """Two effects that make micro-batch 1 slower per sample than micro-batch 4 at equal FLOPs:
     small GEMMs run below the device's rate, and every micro-batch adds its gradients to the
     accumulated ones (a pass over the stage's parameters)."""
-    spec = ModelSpec("gpt2-tiny")
-    template = template_for(spec.config())
-    workload = Workload(1, 16, 64)
-    flat = CostModel(spec, template, workload, CPU)
-    curved = CostModel(spec, template, workload,
-                       dataclasses.replace(CPU, gemm_half_tokens=128.0, memory_bandwidth=1e9))
+    problem = _problem("gpt2-tiny", Workload(1, 16, 64)).resolve()
+    flat = CostModel(problem, CPU)
+    curved = CostModel(problem, dataclasses.replace(CPU, gemm_half_tokens=128.0, memory_bandwidth=1e9))
     small, large = _point(1, micro_batch=1), _point(1, micro_batch=4)
     for model in (flat, curved):
         assert model.time(small).breakdown["compute"] >= model.time(large).breakdown["compute"] * 0.99
@@ -319,7 +316,7 @@ def test_measured_peak_on_cuda_is_the_allocators_peak_over_the_step(monkeypatch)
     and read after it has finished (CUDA is mocked: no GPU here)."""
     import torch
 
-    from slapo_tune.cost_model.measure import measured_peak
+    from slapo_tune.memory import measured_peak
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("sync", str(device))))

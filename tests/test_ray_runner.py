@@ -4,12 +4,16 @@ killed mid-step is a crash, and the next trial runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from runners import TrialSpec
+from slapo_tune.problem import ProblemSpec
+
+PROBLEM_FIELDS = {f.name for f in dataclasses.fields(ProblemSpec)}
 
 ray = pytest.importorskip("ray")
 
@@ -17,7 +21,9 @@ ray = pytest.importorskip("ray")
 def _spec(**kw) -> TrialSpec:
     base = dict(model="gpt2-tiny", knobs={"tp": 2, "micro_batch": 2}, world_size=4, global_batch=8, seq_len=32,
                 measured_steps=2, time_limit=240)
-    return TrialSpec(**{**base, **kw})
+    fields = {**base, **kw}  # the problem's and the trial's, apart
+    problem = ProblemSpec(**{k: v for k, v in fields.items() if k in PROBLEM_FIELDS})
+    return TrialSpec(problem, **{k: v for k, v in fields.items() if k not in PROBLEM_FIELDS})
 
 
 def test_world4_trial_spans_both_nodes_and_is_visible_by_name(ray_cluster):

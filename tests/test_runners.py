@@ -3,6 +3,7 @@ next trial runs normally after each failure."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -11,12 +12,17 @@ import pytest
 
 from runners import CorePool, LocalRunner, TrialSpec, run_trial
 from runners.local import rank_cores
+from slapo_tune.problem import ProblemSpec
+
+PROBLEM_FIELDS = {f.name for f in dataclasses.fields(ProblemSpec)}
 
 
 def _spec(**kw) -> TrialSpec:
     base = dict(model="gpt2-tiny", knobs={"tp": 2, "micro_batch": 2}, world_size=2, global_batch=8, seq_len=32,
                 measured_steps=2, time_limit=120, name="test")
-    return TrialSpec(**{**base, **kw})
+    fields = {**base, **kw}  # the problem's and the trial's, apart
+    problem = ProblemSpec(**{k: v for k, v in fields.items() if k in PROBLEM_FIELDS})
+    return TrialSpec(problem, **{k: v for k, v in fields.items() if k not in PROBLEM_FIELDS})
 
 
 def _assert_ok(result) -> None:

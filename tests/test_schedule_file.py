@@ -7,15 +7,17 @@ import json
 import pytest
 
 from slapo_tune import UsageError
+from slapo_tune.plan import Plan, Workload
 from slapo_tune.schedule_file import FORMAT, make_schedule, read_schedule, write_schedule
 
 
 def _schedule():
     knobs = {"tp": 2, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.5,
              "pipeline_schedule": "1f1b", "attn": "sdpa", "fuse": "off"}
-    return make_schedule(template={"name": "gpt2", "version": "1"}, knobs=knobs, world_size=2, global_batch=16,
-                         seq_len=128, dtype="fp32", model={"name": "gpt2-tiny", "fingerprint": "abc"}, device="cpu",
-                         accumulation=4, measured={"samples_per_s": 12.5}, study="s")
+    return make_schedule(template={"name": "gpt2", "version": "1"}, plan=Plan.of(knobs, Workload(2, 16, 128)),
+                         world_size=2, global_batch=16, seq_len=128, dtype="fp32",
+                         model={"name": "gpt2-tiny", "fingerprint": "abc"}, device="cpu",
+                         measured={"samples_per_s": 12.5}, study="s")
 
 
 def test_round_trip(tmp_path):

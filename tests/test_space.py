@@ -9,8 +9,9 @@ import pytest
 from search_spaces import TEMPLATES, load_template, template_for
 from slapo_tune import UsageError
 from slapo_tune.models import load_config
+from slapo_tune.plan import Workload, accumulation
 from slapo_tune.space import Knob, Space, coerce, format_point, parse_knobs, point_json
-from slapo_tune.template import ModelInfo, Workload, accumulation
+from slapo_tune.template import ModelInfo
 
 TINY = {"gpt2": "gpt2-tiny", "llama": "llama-tiny", "bert": "bert-tiny", "opt": "opt-tiny"}
 
@@ -27,7 +28,7 @@ def _check_invariants(point, info, world, global_batch):
     assert all(d % tp == 0 for d in (info.heads, info.kv_heads, info.vocab, info.intermediate))
     assert info.layers % pp == 0
     assert global_batch % (dp * point["micro_batch"]) == 0
-    accum = accumulation(point, Workload(world, global_batch))
+    accum = accumulation(Workload(world, global_batch), point["dp"], point["micro_batch"])
     assert dp * point["micro_batch"] * accum == global_batch  # the global batch is held fixed
     if point["pipeline_schedule"] == "1f1b" and pp > 1:
         assert accum >= pp

@@ -9,12 +9,9 @@ import random
 import pytest
 import transformers
 
-from search_spaces import template_for
 from slapo_tune.launch import launch
-from slapo_tune.models import load_config
-from slapo_tune.realize import ModelSpec
+from slapo_tune.problem import ProblemSpec
 from slapo_tune.space import format_point
-from slapo_tune.template import ModelInfo, Workload
 
 from _helpers import uncompared
 from _template_workers import verify_points
@@ -23,18 +20,20 @@ TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"]
 GLOBAL_BATCH, SEQ = 8, 16
 
 
+def _spec(model, world, **overrides) -> ProblemSpec:
+    return ProblemSpec(model, world, model_overrides=overrides, global_batch=GLOBAL_BATCH, seq_len=SEQ)
+
+
 def _points(preset, world, sample):
-    config = load_config(preset)
-    template = template_for(config)
-    workload = Workload(world, GLOBAL_BATCH, SEQ)
-    points = list(template.space(ModelInfo.from_config(config), workload).enumerate())
+    spec = _spec(preset, world)
+    points = list(spec.resolve().space.enumerate())
     if sample:
         rng = random.Random(f"{preset}-{world}")
         by_layout = {}
         for p in points:
             by_layout.setdefault((p["tp"], p["pp"]), []).append(p)
         points = [rng.choice(group) for _, group in sorted(by_layout.items())]
-    return [((preset, format_point(p)), ModelSpec(preset), template.name, p, workload) for p in points]
+    return [((preset, format_point(p)), spec, p) for p in points]
 
 
 def _run(world, cases):
@@ -48,7 +47,7 @@ def _run(world, cases):
             else:
                 assert res["max_grad_error"] < 1e-4 and res["loss_error"] < 1e-4
         if all(r[key]["ok"] for r in results):  # every gradient was compared on some rank
-            assert not uncompared(spec.build("meta"), [r[key]["compared"] for r in results]), key
+            assert not uncompared(spec.model_spec.build("meta"), [r[key]["compared"] for r in results]), key
     assert not failures, "\n".join(failures[:5])
     return results
 
@@ -56,7 +55,7 @@ def _run(world, cases):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_sampled_points_of_every_template_verify(world):
     cases = [c for preset in TINY for c in _points(preset, world, sample=True)]
-    layouts = {(c[3]["tp"], c[3]["pp"]) for c in cases}
+    layouts = {(c[2]["tp"], c[2]["pp"]) for c in cases}
     assert len(layouts) == {1: 1, 2: 3, 4: 6}[world]
     _run(world, cases)
 
@@ -74,15 +73,14 @@ def test_generic_template_on_an_untemplated_decoder(tmp_path):
         max_position_embeddings=128, bos_token_id=0, eos_token_id=2, attention_dropout=0.0, hidden_dropout=0.0)
     config.save_pretrained(tmp_path)
     path = str(tmp_path)
-    template = template_for(load_config(path))
-    assert template.name == "generic"
-    workload = Workload(4, GLOBAL_BATCH, SEQ)
-    space = template.space(ModelInfo.from_config(load_config(path)), workload)
+    spec = _spec(path, 4)
+    problem = spec.resolve()
+    assert problem.template.name == "generic"
     cases = []
     for knobs in ({"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "ckpt_ratio": 1.0, "pipeline_schedule": "1f1b",
                                         "micro_batch": 2}, {"tp": 4, "attn": "eager"}):
-        point = space.complete(knobs)
-        cases.append(((path, format_point(point)), ModelSpec(path), "generic", point, workload))
+        point = problem.plan(knobs).knobs()
+        cases.append(((path, format_point(point)), spec, point))
     results = _run(4, cases)
     assert {r[cases[0][0]]["stage"] for r in results} == {0, 1}
 
@@ -92,10 +90,8 @@ def test_data_parallel_averages_every_full_gradient_bucket():
     hidden 768 has ~116 MB of them, so three full buckets and a partial one cross the wire."""
     from slapo_tune._data_parallel import _BUCKET_BYTES
 
-    spec = ModelSpec("gpt2-tiny", {"n_embd": 768})
-    assert sum(p.numel() for p in spec.build("meta").parameters()) * 4 > 3 * _BUCKET_BYTES
-    template = template_for(spec.config())
-    workload = Workload(2, GLOBAL_BATCH, SEQ)
-    point = template.space(ModelInfo.from_config(spec.config()), workload).complete({"tp": 1, "pp": 1, "zero": 0})
+    spec = _spec("gpt2-tiny", 2, n_embd=768)
+    assert sum(p.numel() for p in spec.model_spec.build("meta").parameters()) * 4 > 3 * _BUCKET_BYTES
+    point = spec.resolve().plan({"tp": 1, "pp": 1, "zero": 0}).knobs()
     assert point["dp"] == 2
-    _run(2, [(("gpt2-tiny n_embd=768", format_point(point)), spec, template.name, point, workload)])
+    _run(2, [(("gpt2-tiny n_embd=768", format_point(point)), spec, point)])

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..template import Template, Workload
+from ..problem import Problem
 from . import calibration as _calibration
 from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
 from .analytic import (
@@ -40,13 +40,14 @@ class Verdict:
 
 
 class CostModel:
-    """Memory and time predictions for one model, template, workload and device."""
+    """Memory and time predictions for one problem (model, template, workload) on one device."""
 
-    def __init__(self, spec, template: Template, workload: Workload, device: Hardware,
-                 calibration: Calibration | None = None, layout: ModelLayout | None = None):
-        self.spec, self.template, self.workload, self.device = spec, template, workload, device
-        self.layout = layout or _layout(spec, template)
-        self.dtype = workload.dtype
+    def __init__(self, problem: Problem, device: Hardware, calibration: Calibration | None = None,
+                 layout: ModelLayout | None = None):
+        self.problem, self.device = problem, device
+        self.template, self.workload = problem.template, problem.workload
+        self.layout = layout or _layout(problem)
+        self.dtype = self.workload.dtype
         self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.dtype) or Calibration()
 
     # ------------------------------------------------------------------ memory
@@ -59,8 +60,7 @@ class CostModel:
         """Exact peak per stage (one fake step per stage)."""
         from .exact import exact_memory
 
-        return exact_memory(self.spec, self.template, point, self.workload,
-                            backend="gloo" if self.device.cores else "nccl")
+        return exact_memory(self.problem, point, backend="gloo" if self.device.cores else "nccl")
 
     def verdict(self, point: Mapping[str, Any], budget: int, exact: bool = False,
                 prediction: MemoryPrediction | None = None) -> Verdict:
@@ -118,18 +118,18 @@ class CostModel:
         return model_flops_per_step(self.layout, self.workload) / (step_seconds * world_size * self.device.flops)
 
 
-def _layout(spec, template: Template) -> ModelLayout:
+def _layout(problem: Problem) -> ModelLayout:
     """A preset's shipped layout when it applies (no overrides, its own template), else measured."""
     from search_spaces import template_for
 
     from .cards import preset_card
 
-    config = spec.config()
-    if not spec.overrides and template is template_for(config):
-        card = preset_card(spec.name)
+    model, config = problem.model, problem.config
+    if not model.overrides and problem.template is template_for(config):
+        card = preset_card(model.name)
         if card is not None:
             return card[1]
-    return layout_of(config, template)
+    return layout_of(config, problem.template)
 
 
 def _fmt(n: float) -> str:

@@ -9,25 +9,10 @@ Used alike on fake tensors (exact mode) and on real ones (measured ground truth)
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
 
 import torch
 
-
-@dataclass
-class MemoryBreakdown:
-    """Bytes per category at the moment of the peak (``total`` is the peak): parameters and
-    buffers, optimizer state, activations (allocated in forward), gradients (allocated in
-    backward: gradients and backward temporaries)."""
-
-    total: int
-    parameters: int = 0
-    gradients: int = 0
-    optimizer: int = 0
-    activations: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+from ..memory import MemoryBreakdown
 
 
 def tracked_step(step, stage: torch.nn.Module, optimizer, batch) -> MemoryBreakdown:

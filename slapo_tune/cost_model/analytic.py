@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._atomic import atomic_write_text
-from ..template import Template, Workload, accumulation
+from ..plan import Workload, accumulation
+from ..template import Template
 from .hardware import Hardware, _cache_dir
 
 MEMORY_TERMS = (
@@ -349,7 +350,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
     b, s, B = point["micro_batch"], workload.seq_len, DTYPE_BYTES[workload.dtype]
     P = PARAM_BYTES
-    m = accumulation(point, workload)
+    m = accumulation(workload, point["dp"], point["micro_batch"])
     per_stage = layout.layers // pp
     ckpt_per_stage = checkpointed_per_stage(point["ckpt_ratio"], layout.layers, pp)
     sharded = point["zero"] == 3 and dp > 1
@@ -564,7 +565,7 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     """Seconds per step of each time term (before weights)."""
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
     b, s, B = point["micro_batch"], workload.seq_len, DTYPE_BYTES[workload.dtype]
-    m = accumulation(point, workload)
+    m = accumulation(workload, point["dp"], point["micro_batch"])
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
     tokens = b * s

@@ -24,18 +24,15 @@ CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attentio
 
 def compute_card(name: str) -> dict[str, Any]:
     """A preset's card, computed from its config and a meta-device build."""
-    from search_spaces import template_for
+    from ..problem import ProblemSpec
 
-    from ..models import load_config
-    from ..template import ModelInfo
-
-    config = load_config(name)
-    info = ModelInfo.from_config(config)
+    problem = ProblemSpec(name, 1).resolve()  # the sizes and the template are those of any world size
+    config, info = problem.config, problem.info
     fields = {k: getattr(config, k, None) for k in CONFIG_FIELDS}
     # the planner's view: families' own spellings (n_embd, ffn_dim, ...) resolved once
     fields.update(hidden_size=info.hidden, num_attention_heads=info.heads, num_key_value_heads=info.kv_heads,
                   intermediate_size=info.intermediate, vocab_size=info.vocab, num_hidden_layers=info.layers)
-    layout = layout_of(config, template_for(config))
+    layout = layout_of(config, problem.template)
     return {"config": fields, "layout": dataclasses.asdict(layout)}
 
 

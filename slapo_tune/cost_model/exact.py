@@ -26,10 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..data import synthetic_batch
 from ..errors import SlapoTuneError
-from ..runtime import default_optimizer
-from ..template import Template, Workload, accumulation
+from ..plan import Plan, Workload, accumulation
+from ..problem import Problem
 from ._tracker import MemoryBreakdown, fake_friendly_optimizers, tracked_step
 
 
@@ -153,7 +152,7 @@ def steady_state_workload(point: Mapping[str, Any], workload: Workload) -> Workl
     """
     if point["pp"] > 1:
         return workload
-    kept = min(accumulation(point, workload), 2)
+    kept = min(accumulation(workload, point["dp"], point["micro_batch"]), 2)
     return replace(workload, global_batch=kept * point["micro_batch"] * point["dp"])
 
 
@@ -162,10 +161,8 @@ def stage_rank(point: Mapping[str, Any], stage: int) -> int:
     return stage * point["dp"] * point["tp"]
 
 
-def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: Workload, *,
-                 stages: list[int] | None = None, seed: int = 0,
-                 optimizer_factory=None, steady_state: bool = True,
-                 backend: str = "gloo") -> dict[int, MemoryBreakdown]:
+def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int] | None = None, seed: int = 0,
+                 steady_state: bool = True, backend: str = "gloo") -> dict[int, MemoryBreakdown]:
     """Peak tensor memory per pipeline stage of ``point`` (one fake step per stage role).
 
     With ``steady_state`` the step runs only the micro-batches that reach the peak (see
@@ -177,13 +174,14 @@ def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: W
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..realize import realize
+    from ..session import Session
     from ..topology import init_topology
 
     if dist.is_initialized():
         raise SlapoTuneError("exact_memory() runs its own fake process group; call it outside a distributed job")
-    make_optimizer = optimizer_factory or default_optimizer
+    workload = problem.workload
     run_workload = steady_state_workload(point, workload) if steady_state else workload
+    plan = Plan.of(point, run_workload)
     results: dict[int, MemoryBreakdown] = {}
     for stage in stages if stages is not None else range(point["pp"]):
         dist.init_process_group("fake", store=FakeStore(), rank=stage_rank(point, stage),
@@ -193,16 +191,11 @@ def exact_memory(spec, template: Template, point: Mapping[str, Any], workload: W
             with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), fake_mask_decisions(), \
                     _static_pipeline_warmup(), _works_hold_their_tensors(), _backend_temporaries(backend):
                 torch.manual_seed(seed)
-                run = realize(spec, template, point, run_workload, seed=seed, topology=topology)
-                optimizer = make_optimizer(run.stage.parameters())
-                config = run.stage.model.config
+                session = Session(problem, plan, seed=seed, topology=topology)
                 # the whole global batch is alive in a real step, even if fewer micro-batches run
-                full = synthetic_batch(config.vocab_size, workload.global_batch, workload.seq_len, seed)
-                batch = {k: v[:run_workload.global_batch] for k, v in full.items()}
-                run.step.run(batch)  # the first step creates the optimizer state
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                results[stage] = tracked_step(run.step, run.stage, optimizer, batch)
+                batch = {k: v[:run_workload.global_batch] for k, v in session.synthetic_batch().items()}
+                session.train_step(batch)  # the first step creates the optimizer state
+                results[stage] = tracked_step(session.step, session.stage, session.optimizer, batch)
         finally:
             dist.destroy_process_group()
     return results

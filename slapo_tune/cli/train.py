@@ -1,0 +1,68 @@
+"""``slapo-tune train``: train with an exported schedule (local ranks, or one rank under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import positive_int
+
+HELP = "train with an exported schedule (local ranks, or under torchrun)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", required=True, help="a best_schedule.json from slapo-tune tune")
+    p.add_argument("--model", default=None, help="train this model instead of the schedule's (preset or config)")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="use the schedule on a model whose config differs from the one it was tuned for")
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help="expected number of ranks (must equal the schedule's)")
+    p.add_argument("--data", default="synthetic", help="synthetic (default), a text file or a .npy of token ids")
+    p.add_argument("--steps", type=positive_int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None, help="checkpoint folder (written at the end and every --save-every)")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default: %(default)s)")
+    p.add_argument("--resume", default=None, help="continue from the latest checkpoint in this folder")
+    p.add_argument("--init-from", default=None, help="initial weights from a Hugging Face checkpoint folder")
+    p.add_argument("--log-every", type=positive_int, default=1)
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the ranks are killed")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..train import TrainConfig, run_under_torchrun, under_torchrun
+    from . import EXIT_OK
+
+    config = TrainConfig(schedule=args.schedule, model=args.model, allow_model_mismatch=args.allow_model_mismatch,
+                         data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, save=args.save,
+                         save_every=args.save_every, keep=args.keep, resume=args.resume, init_from=args.init_from,
+                         log_every=args.log_every)
+    if under_torchrun():
+        run_under_torchrun(config)
+        return EXIT_OK
+    from ..apply import load_schedule
+    from ..checkpoint import latest_checkpoint
+    from ..data import TrainingData
+    from ..launch import RankFailure, launch
+    from ..train import checkpoint_files, train_rank
+
+    loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size,
+                           allow_model_mismatch=args.allow_model_mismatch)
+    TrainingData(args.data, loaded.problem.config.vocab_size, loaded.workload.global_batch,
+                 loaded.workload.seq_len)  # a bad data file fails here, before any rank starts
+    if args.resume:
+        latest_checkpoint(args.resume)
+    if args.init_from:
+        checkpoint_files(args.init_from)  # before any rank starts
+    point = ", ".join(f"{k}={v}" for k, v in loaded.plan.items())
+    print(f"training {loaded.model.name} on {loaded.world_size} local rank(s) with {point}", flush=True)
+    try:
+        losses = launch(train_rank, loaded.world_size, args=(config,), timeout=args.timeout)[0]
+    except RankFailure as exc:
+        if exc.exc_type == "UsageError":
+            raise UsageError(str(exc).split(": ", 1)[-1]) from None
+        raise
+    if losses:
+        print(f"done: {len(losses)} step(s), final loss {losses[-1]:.6f}")
+    return EXIT_OK

@@ -1,0 +1,39 @@
+"""``slapo-tune verify``: one schedule point against the unscheduled model, on local ranks."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import add_problem_arguments, problem_spec
+
+HELP = "check one schedule point against the unscheduled model on local ranks"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_problem_arguments(p, global_batch=8)
+    p.add_argument("--knobs", default="", help="e.g. tp=2,pp=2,ckpt_ratio=0.5 (others: first legal value)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..checks import verify_point
+    from ..launch import launch
+    from . import EXIT_FAILED, EXIT_OK
+
+    problem = problem_spec(args).resolve()
+    plan = problem.plan(args.knobs or "")
+    print(f"verifying {args.model} with template {problem.template.describe()} on {args.world_size} rank(s): "
+          f"{','.join(f'{k}={v}' for k, v in plan.items())}")
+    results = launch(verify_point, args.world_size, args=(problem.spec, plan.knobs(), args.seed),
+                     timeout=args.timeout)
+    ok = all(r["ok"] for r in results)
+    for r in results:
+        if r["ok"]:
+            print(f"  rank {r['rank']} (stage {r['stage']}): loss {r['loss']:.6f} vs {r['reference_loss']:.6f} "
+                  f"(relative error {r['loss_error']:.2e}); {r['params']} gradients, max relative error "
+                  f"{r['max_grad_error']:.2e}")
+        else:
+            print(f"  rank {r['rank']} (stage {r['stage']}):\n" + "\n".join("    " + line for line in r["report"].splitlines()))
+    print("verify: OK" if ok else "verify: FAILED")
+    return EXIT_OK if ok else EXIT_FAILED

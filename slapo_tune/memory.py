@@ -1,0 +1,99 @@
+"""Measured peak memory of real training steps, by tools the cost model's predictions never use.
+
+So that a fault in the prediction's own tracker (:mod:`slapo_tune.cost_model._tracker`, which
+exact mode runs on fake tensors) cannot hide in its tests: on CUDA the caching allocator's
+``max_memory_allocated``; on CPU torch's own ``torch.distributed._tools.mem_tracker.MemTracker``
+(every live tensor storage on the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per category at the moment of the peak (``total`` is the peak): parameters and
+    buffers, optimizer state, activations (allocated in forward), gradients (allocated in
+    backward: gradients and backward temporaries)."""
+
+    total: int
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class _NoModuleHooks:
+    """Stands in for ``MemTracker``'s module tracker, which hooks every module's forward and
+    backward. Those hooks change what they measure: on a pipeline stage they kept a hidden state
+    per micro-batch alive (+2 % on a GPipe stage), and ``MemTracker`` refuses a root module called
+    once per micro-batch. The device-wide peak needs none of them; what is left of the module
+    tracker is telling backward from forward, for the categories."""
+
+    parents = frozenset({"Global"})
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_autograd_node() is not None
+
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModuleHooks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class StepMemTracker(MemTracker):
+    """``MemTracker``'s accounting (every live storage of a device counted once, freed when its
+    last reference goes, storage resizes followed, optimizer state by the optimizer's hooks)
+    without its module hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModuleHooks()
+
+
+# MemTracker's categories -> ours (parameters and buffers, optimizer state, what forward allocated,
+# what backward allocated: gradients and temporaries)
+_CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Optstate": "optimizer",
+               "Activation": "activations", "Gradient": "gradients", "Temp": "gradients"}
+
+
+def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  device: str | torch.device = "cpu") -> MemoryBreakdown:
+    """Peak memory of one real step (``run_step``: gradients and the optimizer update) of a model
+    whose optimizer state already exists. CUDA: the allocator's peak over the step; CPU: the
+    largest total of live tensor storages on the device, by ``MemTracker``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step()
+        torch.cuda.synchronize(device)
+        return MemoryBreakdown(total=torch.cuda.max_memory_allocated(device))
+    tracker = StepMemTracker()
+    tracker.track_external(stage, optimizer)
+    with tracker:
+        run_step()
+    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+    out = MemoryBreakdown(total=snapshot.get("Total", 0))
+    for kind, nbytes in snapshot.items():
+        category = _CATEGORIES.get(getattr(kind, "value", str(kind)))
+        if category:
+            setattr(out, category, getattr(out, category) + nbytes)
+    return out

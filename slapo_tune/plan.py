@@ -1,0 +1,138 @@
+"""A schedule point as one typed, validated, frozen object, and the statuses a point can end in.
+
+A :class:`Plan` is what a template's point *means*: the layout (``tp``, ``pp``, ``dp``, ``zero``),
+the micro-batch size and the accumulation count that follows from it, and the other knobs.
+Plans are made in one place, :meth:`Plan.of` (through :meth:`slapo_tune.problem.Problem.plan`),
+which is also the one place a micro-batch size becomes an accumulation count. A plan reads like
+the knob mapping it came from (``plan["tp"]``, ``dict(plan)``), so plain dicts are needed only
+where points cross into Optuna or a file.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: world size, the fixed global batch, the sequence length and the compute
+    dtype (``fp32``, or ``bf16``/``fp16`` under autocast with fp32 parameters and optimizer)."""
+
+    world_size: int
+    global_batch: int
+    seq_len: int = 128
+    dtype: str = "fp32"
+
+
+def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:
+    """Micro-batches per optimizer step on each data-parallel replica: the one place a micro-batch
+    size becomes an accumulation count (the global batch is held fixed:
+    ``global_batch = dp x micro_batch x accumulation``)."""
+    return workload.global_batch // (dp * micro_batch)
+
+
+# The knobs every template offers, in the order templates apply them, with the short names shown
+# where space is tight (Ray actor names, plots). A template's own knobs follow them.
+KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "ckpt_ratio", "pipeline_schedule", "attn", "fuse")
+SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "pipeline_schedule": "sched"}
+
+
+@dataclass(frozen=True, eq=False)  # equal as mappings: a plan equals its knob dict
+class Plan(Mapping[str, Any]):
+    """A complete, legal schedule point for one workload (see the module docstring)."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch: int
+    accumulation: int  # micro-batches per optimizer step on each data-parallel replica
+    ckpt_ratio: float
+    pipeline_schedule: str
+    attn: str
+    fuse: str
+    extra: Mapping[str, Any] = field(default_factory=dict)  # a template's own knobs, in its order
+
+    @classmethod
+    def of(cls, point: Mapping[str, Any], workload: Workload) -> Plan:
+        """The plan of a complete point (legality is the space's business: see
+        :meth:`slapo_tune.problem.Problem.plan`); checks that the batch sizes multiply up."""
+        missing = [k for k in KNOBS if k not in point]
+        if missing:
+            raise UsageError(f"a schedule point needs the knobs {', '.join(missing)}")
+        dp, micro_batch = point["dp"], point["micro_batch"]
+        per_step = dp * micro_batch
+        if per_step < 1 or workload.global_batch % per_step:
+            raise UsageError(f"global batch {workload.global_batch} is not divisible by dp x micro_batch = "
+                             f"{dp} x {micro_batch}")
+        if point["tp"] * point["pp"] * dp != workload.world_size:
+            raise UsageError(f"tp x pp x dp = {point['tp']} x {point['pp']} x {dp} is not the world size "
+                             f"{workload.world_size}")
+        extra = {k: v for k, v in point.items() if k not in KNOBS}
+        return cls(**{k: point[k] for k in KNOBS}, accumulation=accumulation(workload, dp, micro_batch), extra=extra)
+
+    # --------------------------------------------------------------- the knob mapping
+    def __getitem__(self, name: str) -> Any:
+        if name in KNOBS:
+            return getattr(self, name)
+        return self.extra[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from KNOBS
+        yield from self.extra
+
+    def __len__(self) -> int:
+        return len(KNOBS) + len(self.extra)
+
+    def __hash__(self) -> int:  # Mapping sets __hash__ to None; a plan is a value
+        return hash(tuple(self.items()))
+
+    def knobs(self) -> dict[str, Any]:
+        """The knob values as a plain dict, in knob order (for Optuna and files)."""
+        return dict(self.items())
+
+    @property
+    def short(self) -> str:
+        """``tp=2 pp=1 dp=2 zero=0 mb=4 ckpt=0.5 ...``: a readable one-line name."""
+        return " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in self.items())
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per optimizer step on one data-parallel replica."""
+        return self.micro_batch * self.accumulation
+
+
+class TrialStatus(str, enum.Enum):
+    """How a point's trial ended (stored in the study as its value, so it stays a ``str``)."""
+
+    OK = "ok"  # measured
+    OOM = "oom"  # measured above the memory budget (or the allocator ran out)
+    TIMEOUT = "timeout"  # killed at the trial's time limit
+    CRASH = "crash"  # a rank failed
+    INVALID = "invalid"  # the knobs are not a legal point
+    PRUNED = "pruned"  # the cost model says it cannot fit: never launched
+    DUPLICATE = "duplicate"  # asked again: answered from the study, never launched
+    INTERRUPTED = "interrupted"  # in flight when the driver was killed: queued again
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def launched(self) -> bool:
+        """A runner ran it (whatever came of it)."""
+        return self in (TrialStatus.OK, TrialStatus.OOM, TrialStatus.CRASH, TrialStatus.TIMEOUT)
+
+    @property
+    def failed(self) -> bool:
+        """Launched, and nothing was learnt about the point's memory or speed."""
+        return self in (TrialStatus.CRASH, TrialStatus.TIMEOUT)
+
+    @property
+    def infeasible(self) -> bool:
+        """Does not fit the memory budget (measured or predicted)."""
+        return self in (TrialStatus.OOM, TrialStatus.PRUNED)

@@ -1,0 +1,128 @@
+"""A tuning problem, resolved once: the model, its template, the workload and the search space.
+
+Every entry point starts from a :class:`ProblemSpec` (plain and picklable: it is what crosses to
+trial ranks and Ray actors) and resolves it here into a :class:`Problem`: the CLI's commands, the
+tuner, the trial ranks, the training job (from a schedule file), ``verify`` and the cost model's
+measurements. The defaults (global batch, sequence length, the template chosen from the config)
+live in this module only, and so does the one wording of "no legal schedule".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import UsageError
+from .models import ModelSpec
+from .plan import Plan, Workload
+from .space import Space, coerce, parse_knobs
+from .template import ModelInfo, Template
+
+SAMPLES_PER_RANK = 8  # default global batch: this many samples per rank
+MAX_DEFAULT_SEQ_LEN = 128  # default sequence length: this, or the model's positions if fewer
+
+
+def default_global_batch(world_size: int) -> int:
+    return SAMPLES_PER_RANK * world_size
+
+
+def default_seq_len(config) -> int:
+    positions = getattr(config, "max_position_embeddings", None)
+    return min(MAX_DEFAULT_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else MAX_DEFAULT_SEQ_LEN
+
+
+@dataclass(frozen=True)
+class ProblemSpec:
+    """What the user asked for. ``template`` is a registered name, ``module:attribute`` or a
+    ``.py`` path (None: chosen from the model's config); ``global_batch`` and ``seq_len`` default
+    as :func:`default_global_batch` and :func:`default_seq_len` say; ``memory_budget`` is bytes
+    per rank (None: unlimited)."""
+
+    model: str
+    world_size: int
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
+    global_batch: int | None = None
+    seq_len: int | None = None
+    dtype: str = "fp32"
+    device: str = "cpu"
+    memory_budget: int | None = None
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(self.model, dict(self.model_overrides))
+
+    def resolve(self, config=None, template: Template | None = None) -> Problem:
+        """Load the config (unless given), pick the template (unless given: an object a caller
+        loaded itself), fill the defaults, build the space; a problem without a single legal
+        schedule is a :class:`UsageError`."""
+        from search_spaces import load_template, template_for
+
+        from .runtime import check_dtype
+
+        if self.world_size < 1:
+            raise UsageError(f"the world size must be a positive integer, got {self.world_size}")
+        try:
+            check_dtype(self.dtype)
+        except Exception as exc:  # noqa: BLE001 - the runtime's ScheduleError, as a usage error
+            raise UsageError(str(exc)) from None
+        config = config if config is not None else self.model_spec.config()
+        if template is None:
+            template = load_template(self.template) if self.template else template_for(config)
+        positions = getattr(config, "max_position_embeddings", None)
+        seq_len = self.seq_len or default_seq_len(config)
+        if isinstance(positions, int) and seq_len > positions:
+            raise UsageError(f"seq_len {seq_len} is longer than {self.model}'s {positions} positions")
+        spec = replace(self, global_batch=self.global_batch or default_global_batch(self.world_size),
+                       seq_len=seq_len)
+        info = ModelInfo.from_config(config)
+        workload = Workload(spec.world_size, spec.global_batch, spec.seq_len, spec.dtype)
+        space = template.space(info, workload)
+        if next(space.enumerate(), None) is None:
+            raise UsageError(
+                f"no legal schedule for {self.model} on {spec.world_size} ranks with global batch {spec.global_batch}: "
+                f"tp must divide {info.heads} heads, {info.kv_heads} KV heads, vocab {info.vocab} and MLP width "
+                f"{info.intermediate}; pp must divide {info.layers} layers; the global batch must divide by dp")
+        return Problem(spec, config, template, info, workload, space)
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """A resolved :class:`ProblemSpec` (its defaults filled in)."""
+
+    spec: ProblemSpec
+    config: Any
+    template: Template
+    info: ModelInfo
+    workload: Workload
+    space: Space
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.spec.model_spec
+
+    @property
+    def template_ref(self) -> str:
+        """How a rank finds the same template again (the user's reference, or the chosen name)."""
+        return self.spec.template or self.template.name
+
+    def plan(self, knobs: Mapping[str, Any] | str = "") -> Plan:
+        """The plan for ``knobs`` (a mapping, or text such as ``"tp=2,pp=2"``): values given as
+        text are converted to the knobs' types, knobs left out take their first legal value, and an
+        unknown or illegal knob is a :class:`UsageError` naming its legal values."""
+        if isinstance(knobs, str):
+            knobs = parse_knobs(knobs)
+        typed = coerce(self.space, {k: v for k, v in knobs.items() if isinstance(v, str)})
+        given = {k: typed.get(k, v) for k, v in knobs.items()}
+        return Plan.of(self.space.complete(given), self.workload)
+
+    def plans(self) -> Iterator[Plan]:
+        """Every legal plan, in the space's order."""
+        for point in self.space.enumerate():
+            yield Plan.of(point, self.workload)
+
+    def describe(self) -> str:
+        w = self.workload
+        return (f"{self.model.name}: template {self.template.describe()}, world {w.world_size}, global batch "
+                f"{w.global_batch}, seq {w.seq_len}, {w.dtype}")
