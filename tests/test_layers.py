@@ -1,0 +1,148 @@
+"""The import graph of the library: layers import downward only, and no import circle exists
+outside the schedule language's own modules.
+
+The graph is read from the source (every ``import`` statement, also those inside functions, which
+still tie a module to what it imports), not from what happens to be loaded at run time."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("slapo_tune", "search_spaces", "runners")
+
+# Bottom to top, as the README's layout section states them. A module belongs to the first layer
+# with an entry equal to its name or a package above it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("schedule language and runtime", (
+        "slapo_tune._atomic", "slapo_tune.errors", "slapo_tune._comm", "slapo_tune._sharding",
+        "slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._pipeline", "slapo_tune._build",
+        "slapo_tune._data_parallel", "slapo_tune._verify", "slapo_tune.parallelize", "slapo_tune.topology",
+        "slapo_tune.runtime", "slapo_tune.models", "slapo_tune.launch", "slapo_tune.data", "slapo_tune.space",
+        "slapo_tune.memory", "slapo_tune.checkpoint", "slapo_tune.units")),
+    ("templates", ("slapo_tune.template", "slapo_tune.plan", "slapo_tune.problem", "slapo_tune.schedule_file",
+                   "search_spaces")),
+    ("session and training job", ("slapo_tune.session", "slapo_tune.apply", "slapo_tune.checks", "slapo_tune.train")),
+    ("cost model and runners", ("slapo_tune.cost_model", "runners")),
+    ("tuner and CLI", ("slapo_tune.search", "slapo_tune.cli", "slapo_tune.__main__", "slapo_tune")),
+]
+# the schedule language's modules call each other (a tree node fuses through the graph module,
+# the graph module schedules what it builds): circles among them are allowed, and only there
+LANGUAGE = {"slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._pipeline", "slapo_tune._build",
+            "slapo_tune._sharding", "slapo_tune._comm", "slapo_tune._data_parallel", "slapo_tune._verify"}
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the library modules it imports."""
+    mods = modules(root)
+
+    def known(name: str) -> str | None:
+        return name if name in mods else None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = alias.name
+                    while target and target not in mods:  # import a.b.c where c is not a module
+                        target = target.rpartition(".")[0]
+                    targets.add(target)
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                source = (f"{base}.{node.module}" if node.module else base) if node.level else node.module
+                for alias in node.names:  # `from p import m` imports the module p.m when there is one
+                    targets.add(known(f"{source}.{alias.name}") or known(source) or "")
+        graph[name] = {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def layer_of(module: str) -> int:
+    for index, (_, members) in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members if m != "slapo_tune"):
+            return index
+    if module == "slapo_tune":  # the package root re-exports the public API: it sits on top
+        return len(LAYERS) - 1
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and the README's layout section)")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+                  for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_every_module_has_a_layer_and_imports_only_downward(graph):
+    assert len(graph) > 40 and graph["slapo_tune.session"] >= {"slapo_tune.problem", "slapo_tune.runtime"}
+    assert upward_imports(graph) == []
+
+
+def test_no_circle_outside_the_schedule_language(graph):
+    assert [c for c in circles(graph) if not set(c) <= LANGUAGE] == []
+
+
+def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
+    """The same checks on a copy of the library with one import added where it must not be: the
+    template module importing the tuner (upward, and a circle through the tuner's imports)."""
+    import shutil
+
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package)
+    template = tmp_path / "slapo_tune" / "template.py"
+    template.write_text(template.read_text() + "\n\ndef _tuner():\n    from .search import Tuner\n    return Tuner\n")
+    broken = import_graph(tmp_path)
+    assert "slapo_tune.template (templates) imports slapo_tune.search (tuner and CLI)" in upward_imports(broken)
+    assert any("slapo_tune.template" in c and "slapo_tune.search._driver" in c for c in circles(broken))
