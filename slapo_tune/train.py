@@ -6,8 +6,9 @@ schedule's number of local ranks itself, and under ``torchrun`` each process run
 
 The steps, the optimizer, the precision and the checkpoints are the rank's
 :class:`~slapo_tune.session.Session`'s, the same as a trial's: a schedule trains as it was
-measured. Checkpoints are per rank (:mod:`slapo_tune.checkpoint`). Batches are a function of the step (:class:`~slapo_tune.data.TrainingData`), so a resumed job
-continues the uninterrupted job's loss curve exactly.
+measured. Checkpoints are per rank (:mod:`slapo_tune.checkpoint`). Batches are a function of the
+step (:class:`~slapo_tune.data.TrainingData`), so a resumed job continues the uninterrupted job's
+loss curve exactly.
 """
 
 from __future__ import annotations
