@@ -34,18 +34,20 @@ class InstantRunner(Runner):
 
     def run(self, spec):
         from runners.trial import TrialResult
+        from slapo_tune.plan import TrialStatus
 
         digest = hashlib.sha256(repr(sorted(spec.knobs.items())).encode()).digest()
         value = 10.0 + digest[0] / 25.5
-        return TrialResult(status="ok", knobs=dict(spec.knobs), samples_per_s=value, step_times=[1.0 / value],
+        return TrialResult(status=TrialStatus.OK, knobs=dict(spec.knobs), samples_per_s=value, step_times=[1.0 / value],
                            peak_memory=[1], losses=[1.0], runner=self.name)
 
 
 def driver_seconds_per_trial(strategy: str, trials: int, out: Path) -> dict:
+    from slapo_tune.problem import ProblemSpec
     from slapo_tune.search import TuneConfig, Tuner
 
-    config = TuneConfig(model="llama-7b", world_size=64, memory_budget=80 * 2**30, out=out, dtype="bf16",
-                        device="a100-80gb", trials=trials, strategy=strategy, prune="analytic", seed=0)
+    problem = ProblemSpec("llama-7b", 64, dtype="bf16", device="a100-80gb", memory_budget=80 * 2**30)
+    config = TuneConfig(problem, out=out, trials=trials, strategy=strategy, prune="analytic", seed=0)
     tuner = Tuner(config, InstantRunner())
     started = time.perf_counter()
     summary = tuner.run()

@@ -35,6 +35,7 @@ KNOB_TYPES = {"tp": int, "pp": int, "dp": int, "zero": int, "micro_batch": int, 
 def load_grid(path: Path = DEFAULT_OUT) -> tuple[list, int]:
     """(TrialResults of the recorded grid, the memory budget)."""
     from runners.trial import TrialResult
+    from slapo_tune.plan import TrialStatus
 
     with open(path) as f:
         rows = list(csv.DictReader(f))
@@ -45,26 +46,31 @@ def load_grid(path: Path = DEFAULT_OUT) -> tuple[list, int]:
         knobs = {k: KNOB_TYPES.get(k, str)(v) for k, v in r.items() if k not in ("peak", "step_s", "step_times")}
         peak, step = int(r["peak"]), float(r["step_s"])
         if peak > budget:
-            results.append(TrialResult(status="oom", knobs=knobs, peak_memory=[peak], error="recorded peak over budget"))
+            results.append(TrialResult(status=TrialStatus.OOM, knobs=knobs, peak_memory=[peak],
+                                       error="recorded peak over budget"))
         else:
-            results.append(TrialResult(status="ok", knobs=knobs, samples_per_s=GRID["global_batch"] / step,
+            results.append(TrialResult(status=TrialStatus.OK, knobs=knobs, samples_per_s=GRID["global_batch"] / step,
                                        step_times=[step], peak_memory=[peak], losses=[1.0]))
     return results, budget
 
 
 def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int,
-                 concurrency: int = 1, runner=None, **config):
+                 concurrency: int = 1, runner=None, report=None, sampler=None, **config):
     """(Tuner, ReplayRunner) searching the recorded grid, its study in memory (unless ``config``
-    names a storage), nothing written; ``config`` sets further TuneConfig fields (patience, ...)."""
+    names a storage), nothing written; ``report`` and ``sampler`` go to the Tuner as they are,
+    ``config`` sets further TuneConfig fields (patience, ...)."""
     from runners.replay import ReplayRunner
+    from slapo_tune.problem import ProblemSpec
     from slapo_tune.search import TuneConfig, Tuner
 
     runner = runner or ReplayRunner(results)
-    settings = dict(model=GRID["model"], world_size=GRID["world_size"], memory_budget=budget, out=Path("replay"),
-                    global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], trials=trials, strategy=strategy,
-                    storage="memory", seed=seed, prune=prune, concurrency=concurrency,
-                    space="benchmarks.search_strategies:FixedAttention")
-    return Tuner(TuneConfig(**{**settings, **config}), runner, write_outputs=False), runner
+    problem = ProblemSpec(GRID["model"], GRID["world_size"], global_batch=GRID["global_batch"],
+                          seq_len=GRID["seq_len"], template="benchmarks.search_strategies:FixedAttention",
+                          memory_budget=budget)
+    settings = dict(problem=problem, out=Path("replay"), trials=trials, strategy=strategy, storage="memory",
+                    seed=seed, prune=prune, concurrency=concurrency)
+    return Tuner(TuneConfig(**{**settings, **config}), runner, report=report, sampler=sampler,
+                 write_outputs=False), runner
 
 
 def search(strategy: str, seed: int, prune: str, results: list, budget: int, trials: int

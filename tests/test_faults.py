@@ -5,6 +5,7 @@ or run twice, and ``best_schedule.json`` is the previous valid file or the new v
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import random
@@ -29,6 +30,7 @@ REPLAY_STUDY = textwrap.dedent("""
     from pathlib import Path
     from benchmarks.search_strategies import GRID, load_grid
     from runners.replay import ReplayRunner
+    from slapo_tune.problem import ProblemSpec
     from slapo_tune.search import TuneConfig, Tuner
 
     out, trials = Path(sys.argv[1]), int(sys.argv[2])
@@ -46,11 +48,10 @@ REPLAY_STUDY = textwrap.dedent("""
 
 
     results, budget = load_grid()
-    config = TuneConfig(model=GRID["model"], world_size=GRID["world_size"], memory_budget=budget, out=out,
-                        global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], trials=trials, strategy="tpe",
-                        seed=0, prune="analytic", space="benchmarks.search_strategies:FixedAttention")
+    problem = ProblemSpec(GRID["model"], GRID["world_size"], template="benchmarks.search_strategies:FixedAttention",
+                          global_batch=GRID["global_batch"], seq_len=GRID["seq_len"], memory_budget=budget)
+    config = TuneConfig(problem=problem, out=out, trials=trials, strategy="tpe", seed=0, prune="analytic")
     tuner = Tuner(config, Hangs(results))
-    tuner.open_study()
     if limit:  # from here on, no file may grow past `limit` bytes: a full disk quota
         import resource, signal
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -155,8 +156,10 @@ def test_resume_requeues_the_interrupted_trial_and_keeps_every_finished_result(t
     now = by_number(after)
     for number, record in finished.items():  # nothing finished is lost or changed
         assert now[number] == record, number
-    interrupted = now[running[0].number]
-    assert interrupted[0] == "FAIL" and interrupted[2] == "interrupted"
+    assert now[running[0].number][0] == "FAIL"  # failed by the resumed driver, and shown as interrupted
+    with open(out / "trials.csv") as f:
+        shown = {int(row["trial"]): row["status"] for row in csv.DictReader(f)}
+    assert shown[running[0].number] == "interrupted"
     retries = [t for t in after if t.user_attrs.get("retry_of") == running[0].number]
     assert len(retries) == 1 and retries[0].user_attrs["point"] == running[0].user_attrs["point"]
     assert retries[0].user_attrs["status"] in ("ok", "oom")  # the interrupted point ran again, once
@@ -190,10 +193,12 @@ def test_full_disk_stops_with_one_line_and_loses_nothing(tmp_path):
 def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_children):
     from runners import LocalRunner
     from runners.trial import TrialSpec
+    from slapo_tune.problem import ProblemSpec
 
     def spec(template: str, name: str) -> TrialSpec:
-        return TrialSpec(model="gpt2-tiny", knobs={"tp": 1, "pp": 1, "micro_batch": 2}, world_size=2, global_batch=8,
-                         seq_len=32, template=template, warmup_steps=1, measured_steps=2, name=name)
+        problem = ProblemSpec("gpt2-tiny", 2, template=template, global_batch=8, seq_len=32)
+        return TrialSpec(problem, knobs={"tp": 1, "pp": 1, "micro_batch": 2}, warmup_steps=1, measured_steps=2,
+                         name=name)
 
     import torch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import time
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from benchmarks._stats import censored
 from benchmarks.search_strategies import KNOB_TYPES, load_grid, replay_tuner, search, trials_to_within
 from runners.replay import ReplayRunner
+from slapo_tune.search._samplers import RandomSearch
 from slapo_tune.space import point_key
 
 SEEDS = range(8)
@@ -57,20 +59,40 @@ class _Lasting(ReplayRunner):
         return result
 
 
+class _RepeatsFirst(RandomSearch):
+    """The random strategy, except that its first three trials all get the point the first drew."""
+
+    def __init__(self):
+        super().__init__(seed=0)
+        self.drawn: dict[str, object] = {}  # (qualified) knob name -> the value drawn for the first trial
+        self.given: list[int] = []  # the trials given that point
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        if len(self.given) < 3 and trial.number not in self.given:
+            self.given.append(trial.number)
+        if trial.number in self.given:
+            if param_name not in self.drawn:
+                self.drawn[param_name] = super().sample_independent(study, trial, param_name, param_distribution)
+            return self.drawn[param_name]
+        return super().sample_independent(study, trial, param_name, param_distribution)
+
+
 def test_a_sampler_repeating_a_running_point_does_not_launch_it_twice(grid):
     """Optuna's samplers do not see running trials (TPE offers the same promising point to every
-    free slot): here the strategy proposes one point three times while it runs. The driver checks
+    free slot): here the sampler proposes one point three times while it runs. The driver checks
     the points in flight itself, answers the repeats as duplicates and launches other points."""
     results, budget, _, _ = grid
     runner = _Lasting(results)
-    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=6, concurrency=2, runner=runner)
-    first = next(tuner.space.enumerate())
-    repeats = iter(range(3))
-    tuner.strategy.propose = lambda known: first if next(repeats, None) is not None else None
+    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=6, concurrency=2, runner=runner,
+                            sampler=_RepeatsFirst())
     summary = tuner.run()
+    first = point_key(runner.launched[0])
+    repeats = [t for t in tuner.study.trials if t.user_attrs.get("status") == "duplicate"
+               and point_key(t.user_attrs["point"]) == first]
+    assert len(repeats) == 2 and all(t.state.name == "FAIL" for t in repeats)  # nothing told yet to repeat
     keys = [point_key(p) for p in runner.launched]
-    assert len(keys) == len(set(keys)) == 6 and keys[0] == point_key(first)
-    assert summary["duplicates"] >= 1
+    assert len(keys) == len(set(keys)) == 6
+    assert summary["duplicates"] >= 2
 
 
 @pytest.mark.parametrize("strategy,concurrency", [("tpe", 1), ("random", 1), ("grid", 1), ("frontier", 1),
@@ -89,6 +111,31 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
     assert pruned or strategy == "model"  # the model ranking never proposes what it would prune
     measured = {point_key(r.knobs): r.peak_memory[0] for r in results}
     assert all(measured[k] > budget for k in pruned)  # what was pruned does not fit, by measurement
+    for t in tuner.study.trials:  # what a constraint-aware sampler (TPE) learns of each point
+        status = t.user_attrs["status"]
+        if status in ("pruned", "oom"):
+            assert t.constraints["memory"] > 0, (t.number, status)
+        elif status == "ok":
+            assert t.constraints["memory"] == 0.0, t.number
+        elif status == "duplicate" and t.values:  # answered as the earlier trial was: infeasible ones told 0
+            assert t.constraints["memory"] == (1.0 if t.values == [0.0] else 0.0), t.number
+        else:
+            assert not t.constraints, (t.number, status)  # failed: nothing learnt
+
+
+@pytest.mark.parametrize("strategy", ["grid", "model", "frontier"])
+def test_an_ordered_strategy_skips_the_points_in_flight(grid, strategy):
+    """An ordered strategy works out its next point from the told trials and the running ones: with
+    three trials in flight it never proposes a running point (no repeat to answer), and grid
+    launches exactly the space's first points."""
+    results, budget, _, _ = grid
+    tuner, runner = replay_tuner(strategy, 0, "none", results, budget, trials=12, concurrency=3,
+                                 runner=_Lasting(results))
+    summary = tuner.run()
+    assert summary["duplicates"] == 0 and summary["launched"] == len(runner.launched) == 12
+    if strategy == "grid":
+        first = [point_key(p) for p in itertools.islice(tuner.space.enumerate(), 12)]
+        assert sorted(point_key(p) for p in runner.launched) == sorted(first)
 
 
 class _Scripted(ReplayRunner):
@@ -125,7 +172,6 @@ def test_a_resumed_study_knows_its_best_trial(grid, tmp_path):
     measured = [r.samples_per_s for r in (runner.table[point_key(p)] for p in runner.launched) if r.status == "ok"]
     assert len(measured) < 12 and done["best"] == max(measured)  # some trials ran out of memory
     again, _ = replay_tuner("random", 0, "none", results, budget, trials=12, storage=storage, study="s")
-    again.open_study()
     assert (again.progress.best, again.progress.best_point) == (done["best"], done["best_point"])
     assert again.progress.launched == 12
 
@@ -158,8 +204,8 @@ def test_ctrl_c_cancels_the_trials_in_flight(grid):
             raise KeyboardInterrupt
 
     runner = Blocking()
-    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=8, concurrency=2, runner=runner)
-    tuner.report = interrupt
+    tuner, _ = replay_tuner("random", 0, "none", results, budget, trials=8, concurrency=2, runner=runner,
+                            report=interrupt)
     with pytest.raises(KeyboardInterrupt):
         tuner.run()
     assert runner.cancelled.is_set()
@@ -167,9 +213,14 @@ def test_ctrl_c_cancels_the_trials_in_flight(grid):
 
 
 def test_frontier_skips_points_an_oom_rules_out(grid):
+    """The whole walk (a trial budget as large as the grid): no launched point is one an earlier
+    out-of-memory result ruled out, and once nothing is left to propose the search stops there,
+    short of its budget, without asking the sampler again (no repeat answered)."""
     results, budget, _, _ = grid
-    tuner, runner = replay_tuner("frontier", 0, "none", results, budget, trials=40)
-    tuner.run()
+    tuner, runner = replay_tuner("frontier", 0, "none", results, budget, trials=len(results))
+    summary = tuner.run()
+    assert summary["stop"] == "space exhausted" and summary["duplicates"] == 0
+    assert summary["launched"] == len(runner.launched) < len(results)
     by_key = {tuple(sorted(r.knobs.items())): r.status for r in results}
     ooms = []
     for p in runner.launched:
@@ -193,19 +244,17 @@ def _grids():
     """(label, cost model, recorded points with their measured peaks, budget) of both grids."""
     from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
     from benchmarks.record_grid import DEFAULT_OUT, GRID, REFERENCE_OUT
-    from search_spaces import template_for
     from slapo_tune.cost_model import CostModel, hardware
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import Workload
+    from slapo_tune.problem import ProblemSpec
 
     _, small_budget = load_grid()
     out = []
-    for label, spec, workload, path, budget in (
-            ("gpt2-tiny w2", ModelSpec(GRID["model"]), Workload(GRID["world_size"], GRID["global_batch"],
-                                                                 GRID["seq_len"]), DEFAULT_OUT, small_budget),
-            ("gpt2-ref w1", ModelSpec(GPT2_REF[0], dict(GPT2_REF[1])), Workload(1, GLOBAL_BATCH, SEQ),
-             REFERENCE_OUT, BUDGET)):
-        model = CostModel(spec, template_for(spec.config()), workload, hardware("cpu"))
+    for label, spec, path, budget in (
+            ("gpt2-tiny w2", ProblemSpec(GRID["model"], GRID["world_size"], global_batch=GRID["global_batch"],
+                                         seq_len=GRID["seq_len"]), DEFAULT_OUT, small_budget),
+            ("gpt2-ref w1", ProblemSpec(GPT2_REF[0], 1, model_overrides=dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH,
+                                        seq_len=SEQ), REFERENCE_OUT, BUDGET)):
+        model = CostModel(spec.resolve(), hardware("cpu"))
         out.append((label, model, _recorded(path), budget))
     return out
 
@@ -239,12 +288,10 @@ def test_exact_pruning_never_discards_a_point_measured_to_fit(recorded_grids):
 
 def test_recorded_exhaustive_search_is_the_headline_workloads_every_point():
     from benchmarks.headline import BUDGET, EXHAUSTIVE, GLOBAL_BATCH, GPT2_REF, SEQ, exhaustive_best
-    from search_spaces import template_for
-    from slapo_tune.realize import ModelSpec
-    from slapo_tune.template import ModelInfo, Workload
+    from slapo_tune.problem import ProblemSpec
 
-    config = ModelSpec(GPT2_REF[0], dict(GPT2_REF[1])).config()
-    space = template_for(config).space(ModelInfo.from_config(config), Workload(1, GLOBAL_BATCH, SEQ))
+    space = ProblemSpec(GPT2_REF[0], 1, model_overrides=dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH,
+                        seq_len=SEQ).resolve().space
     with open(EXHAUSTIVE["gpt2-ref w1"]) as f:
         rows = list(csv.DictReader(f))
     legal = {tuple(str(p[k]) for k in space.names) for p in space.enumerate()}

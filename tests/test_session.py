@@ -3,10 +3,10 @@ the training job."""
 
 from __future__ import annotations
 
+from _session_workers import measure_with_a_busy_rank
+
 from slapo_tune.launch import launch
 from slapo_tune.problem import ProblemSpec
-
-from _session_workers import measure_with_a_busy_rank
 
 
 def test_a_step_one_rank_waited_through_is_measured_again_on_every_rank(no_leftover_children):

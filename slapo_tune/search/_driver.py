@@ -12,32 +12,32 @@ from __future__ import annotations
 import concurrent.futures as cf
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SlapoTuneError, UsageError
+from ..plan import TrialStatus
+from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
-from ._strategies import make_strategy, random_unknown
+from ._known import KnownReader, trial_status
+from ._strategies import Strategy, make_strategy, random_unknown
 
-FINISHED = ("ok", "oom", "crash", "timeout")
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.samplers import BaseSampler
+    from optuna.trial import Trial
+
 MAX_DUPLICATES = 3  # consecutive known points from a sampler before the driver picks one itself
 
 
 @dataclass
 class TuneConfig:
-    """Everything a tuning run needs (the CLI's arguments, resolved)."""
+    """Everything a tuning run needs besides the problem's own settings (the CLI's arguments,
+    resolved)."""
 
-    model: str
-    world_size: int
-    memory_budget: int
+    problem: ProblemSpec  # model, template, workload, device and the memory budget (required here)
     out: Path
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    space: str | None = None
-    global_batch: int | None = None
-    seq_len: int | None = None
-    dtype: str = "fp32"
-    device: str = "cpu"
     trials: int = 20
     time_budget: float | None = None
     strategy: str = "tpe"
@@ -56,50 +56,64 @@ class TuneConfig:
     def multi_objective(self) -> bool:
         return self.objective == "throughput,memory"
 
+    @property
+    def memory_budget(self) -> int:
+        return self.problem.memory_budget
+
 
 @dataclass
 class Progress:
+    """The counts every event reports: launched, pruned and failed trials over the whole study,
+    repeats and patience (``since_best``) over this run."""
+
     launched: int = 0
     pruned: int = 0
     failed: int = 0
     duplicates: int = 0
     best: float | None = None
     best_point: Point | None = None
+    since_best: int = 0  # launched trials since the best improved (early stop)
     started: float = field(default_factory=time.monotonic)
+
+    def count(self, status: TrialStatus, point: Point, value: float | None = None) -> None:
+        """Count one told trial (``value``: its throughput when it ran ok)."""
+        if status.launched or status is TrialStatus.INVALID:  # a point the runner refused spent its trial too
+            self.launched += 1
+            self.failed += status.failed or status is TrialStatus.INVALID
+            self.since_best += 1
+            if status is TrialStatus.OK and (self.best is None or value > self.best):  # the first to reach it
+                self.best, self.best_point, self.since_best = value, point, 0
+        elif status is TrialStatus.PRUNED:
+            self.pruned += 1
+        elif status is TrialStatus.DUPLICATE:
+            self.duplicates += 1
 
 
 class Tuner:
     """One tuning run. ``runner`` executes trials (local, Ray, replay); ``report`` is called with
-    an event dict after every told trial (progress bars, JSON lines)."""
+    an event dict after every launch and every told trial (progress bars, JSON lines);
+    ``sampler`` replaces the strategy the config names (a :class:`Strategy`: tests script one)."""
 
-    def __init__(self, config: TuneConfig, runner, *, report: Callable[[dict], None] | None = None,
-                 write_outputs: bool = True):
-        from search_spaces import load_template, template_for
-
+    def __init__(self, config: TuneConfig, runner, *, problem: Problem | None = None,
+                 report: Callable[[dict], None] | None = None, write_outputs: bool = True,
+                 sampler: BaseSampler | None = None):
         from ..cost_model import CostModel, hardware
-        from ..realize import ModelSpec
-        from ..template import ModelInfo, Workload
+        from ._outputs import Outputs
 
-        self.config, self.runner, self.report = config, runner, report or (lambda _event: None)
-        self.write = write_outputs
-        self.spec = ModelSpec(config.model, dict(config.model_overrides))
-        model_config = self.spec.config()
-        self.template = load_template(config.space) if config.space else template_for(model_config)
-        self.info = ModelInfo.from_config(model_config)
-        gb = config.global_batch or 8 * config.world_size
-        seq = config.seq_len or min(128, getattr(model_config, "max_position_embeddings", 128) or 128)
-        self.workload = Workload(config.world_size, gb, seq, config.dtype)
-        self.space = self.template.space(self.info, self.workload)
-        if next(self.space.enumerate(), None) is None:
-            raise UsageError(f"no legal schedule for {config.model} on {config.world_size} ranks with global batch {gb}")
-        self.cost = CostModel(self.spec, self.template, self.workload, hardware(config.device))
-        self.strategy = make_strategy(config.strategy, self.space, config.seed, rank=self._predicted_throughput)
-        self.known: dict[str, str] = {}  # point key -> status of every point told so far
-        self.values: dict[str, Any] = {}  # point key -> the value told for it (answers duplicates)
+        if not config.problem.memory_budget:
+            raise UsageError("tuning needs a memory budget per rank")
+        self.problem = problem or config.problem.resolve()
+        self.config = replace(config, problem=self.problem.spec)  # the problem's defaults filled in
+        self.runner, self.report = runner, report or (lambda _event: None)
+        self.space, self.workload, self.template = self.problem.space, self.problem.workload, self.problem.template
+        self.cost = CostModel(self.problem, hardware(self.problem.spec.device))
+        self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
+                                                          rank=self._predicted_throughput)
+        self.outputs = Outputs(self.config.out, self.problem, self.config.strategy) if write_outputs else None
         self.progress = Progress()
-        self.study = None
-        self._in_flight: dict[cf.Future, tuple[Any, Point, dict]] = {}
-        self._since_best = 0  # told trials since the best improved (early stop)
+        self._known = KnownReader()  # what the study knows: point key -> status, told values, running
+        self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}
+        self.study = self._open_study()
 
     # ------------------------------------------------------------------ cost model
     def _predicted_throughput(self, point: Point) -> float:
@@ -128,7 +142,7 @@ class Tuner:
         return None
 
     # ------------------------------------------------------------------ study
-    def open_study(self):
+    def _open_study(self) -> Study:
         import optuna
 
         from ._storage import open_storage
@@ -137,152 +151,119 @@ class Tuner:
         storage = open_storage(self.config.storage, self.config.out)
         directions = ["maximize", "minimize"] if self.config.multi_objective else ["maximize"]
         name = self.config.study or self.config.out.name
-        sampler = self.strategy.sampler(self.config.multi_objective)
-        self.study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=sampler,
-                                         load_if_exists=True)
-        self._check_same_study()
-        self._recover()
-        return self.study
+        study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=self.sampler,
+                                    load_if_exists=True)
+        self._check_same_study(study)
+        self._recover(study)
+        return study
 
-    def _check_same_study(self) -> None:
-        stored = self.study.user_attrs.get("context")
-        context = {"model": self.config.model, "overrides": self.config.model_overrides,
-                   "template": self.template.describe(), "world_size": self.config.world_size,
-                   "global_batch": self.workload.global_batch, "seq_len": self.workload.seq_len,
-                   "dtype": self.config.dtype, "device": self.config.device,
-                   "memory_budget": self.config.memory_budget, "objective": self.config.objective}
+    def _check_same_study(self, study: Study) -> None:
+        stored = study.user_attrs.get("context")
+        p = self.problem.spec
+        context = {"model": p.model, "overrides": p.model_overrides, "template": self.template.describe(),
+                   "world_size": p.world_size, "global_batch": p.global_batch, "seq_len": p.seq_len,
+                   "dtype": p.dtype, "device": p.device, "memory_budget": p.memory_budget,
+                   "objective": self.config.objective}
         if stored is None:
-            self.study.set_user_attr("context", context)
+            study.set_user_attr("context", context)
         elif stored != context:
             diff = ", ".join(f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in context.items() if stored.get(k) != v)
-            raise UsageError(f"study '{self.study.study_name}' was started with other settings ({diff}); "
+            raise UsageError(f"study '{study.study_name}' was started with other settings ({diff}); "
                              f"use another --out or --study")
 
-    def _recover(self) -> None:
-        """Rebuild what is known from the study; trials left RUNNING by a killed driver are marked
-        failed and their points queued again, once."""
+    def _recover(self, study: Study) -> None:
+        """Count the study's trials so far. Trials left RUNNING by a killed driver are failed (they
+        then read as interrupted: see ``_known``) and their points queued again, once."""
         from optuna.trial import TrialState
 
-        storage = self.study._storage
-        retried = {t.user_attrs.get("retry_of") for t in self.study.trials}
-        for t in self.study.get_trials(deepcopy=False):
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.user_attrs.get("retry_of") for t in trials}
+        for t in trials:
+            point = t.user_attrs.get("point")
             if t.state == TrialState.RUNNING:
-                storage.set_trial_user_attr(t._trial_id, "status", "interrupted")
-                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-                point = t.user_attrs.get("point")
+                study.tell(t.number, state=TrialState.FAIL)
                 if point and t.number not in retried and "retry_of" not in t.user_attrs:
-                    self.study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": t.number})
-            elif t.state in (TrialState.COMPLETE, TrialState.FAIL):
-                status, point = t.user_attrs.get("status"), t.user_attrs.get("point")
-                if point is None or status in (None, "interrupted", "duplicate"):
-                    continue
-                key = point_key(point)
-                self.known[key] = status
-                if t.state == TrialState.COMPLETE:
-                    self.values[key] = t.values
-                if status in FINISHED:
-                    self.progress.launched += 1
-                    self.progress.failed += status in ("crash", "timeout")
-                    if status == "ok":
-                        self._update_best(point, t.values[0])
-                elif status == "pruned":
-                    self.progress.pruned += 1
-        self._since_best = max(0, self._since_best)
-
-    def _update_best(self, point: Point, value: float) -> None:
-        if self.progress.best is None or value > self.progress.best:
-            self.progress.best, self.progress.best_point = value, point
-            self._since_best = -1  # the caller counts this trial
+                    study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": t.number})
+                continue
+            status = trial_status(t)  # repeats count in their own run only; invalid points never did on resume
+            if point is not None and status is not None and (status.launched or status is TrialStatus.PRUNED):
+                self.progress.count(status, point, t.values[0] if t.values else None)
+        self.progress.since_best = 0  # patience counts this run's trials
 
     # ------------------------------------------------------------------ ask / tell
-    def _ask(self):
+    def _ask(self) -> tuple[Trial, Point] | None:
         """(trial, point) for the next point, or None when the space has nothing left to try."""
         from optuna.trial import TrialState
 
         duplicates = 0
         while True:
-            proposal = self.strategy.propose(self.known | self._in_flight_keys())
-            waiting = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))]
-            if proposal is None and not waiting and self.strategy.name in ("grid", "model", "frontier"):
-                return None
-            if proposal is not None and not waiting:
-                self.study.enqueue_trial(self.space.params_of(proposal))
-            if duplicates >= MAX_DUPLICATES and not waiting:
-                forced = random_unknown(self.space, self.known | self._in_flight_keys(), self.config.seed)
-                if forced is None:
+            known = self._known(self.study)
+            if not self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # nothing queued
+                if self.sampler.is_exhausted(self.study):
                     return None
-                self.study.enqueue_trial(self.space.params_of(forced))
-                duplicates = 0
+                if duplicates >= MAX_DUPLICATES:
+                    forced = random_unknown(self.space, known, self.config.seed)
+                    if forced is None:
+                        return None
+                    self.study.enqueue_trial(self.space.params_of(forced))
+                    duplicates = 0
             trial = self.study.ask()
             point = self.space.suggest(trial)
             trial.set_user_attr("point", point)
             key = point_key(point)
-            if key in self.known or key in self._in_flight_keys():
+            # samplers do not see running trials (TPE offers one promising point to every free slot)
+            if key in known.status or key in known.running:
                 duplicates += 1
-                self._tell_duplicate(trial, key)
+                values = known.values.get(key)  # none when it failed or still runs: nothing to learn again
+                constraint = None if values is None else 1.0 if known.status[key].infeasible else 0.0
+                self._tell(trial, point, TrialStatus.DUPLICATE, values, constraint)
                 continue
             return trial, point
-
-    def _in_flight_keys(self) -> dict[str, str]:
-        return {point_key(p): "running" for _, p, _ in self._in_flight.values()}
-
-    def _tell_duplicate(self, trial, key: str) -> None:
-        from optuna.trial import TrialState
-
-        self.progress.duplicates += 1
-        trial.set_user_attr("status", "duplicate")
-        values = self.values.get(key)
-        if values is None:  # failed or still running: nothing to learn from a repeat
-            self.study.tell(trial, state=TrialState.FAIL)
-        else:
-            trial.set_constraint("memory", 1.0 if self.known.get(key) in ("oom", "pruned") else 0.0)
-            self.study.tell(trial, values)
 
     def _infeasible_values(self) -> list[float]:
         return [0.0, float(self.config.memory_budget) * 4] if self.config.multi_objective else [0.0]
 
-    def _tell_pruned(self, trial, point: Point, reason: str, predicted: int) -> None:
-        key = point_key(point)
-        trial.set_user_attr("status", "pruned")
-        trial.set_user_attr("reason", reason)
-        trial.set_user_attr("predicted", self._predict(point) | {"pruned_peak": predicted})
-        trial.set_constraint("memory", predicted / self.config.memory_budget - 1.0)
-        values = self._infeasible_values()
-        self.study.tell(trial, values)
-        self.known[key], self.values[key] = "pruned", values
-        self.progress.pruned += 1
-        self._event("pruned", point, reason=reason)
+    def _tell_pruned(self, trial: Trial, point: Point, reason: str, predicted: int) -> None:
+        self._tell(trial, point, TrialStatus.PRUNED, self._infeasible_values(),
+                   predicted / self.config.memory_budget - 1.0,
+                   attrs={"reason": reason, "predicted": self._predict(point) | {"pruned_peak": predicted}},
+                   event={"reason": reason})
 
-    def _tell_result(self, trial, point: Point, result, predicted: dict[str, Any]) -> None:
-        from optuna.trial import TrialState
-
-        key = point_key(point)
+    def _tell_result(self, trial: Trial, point: Point, result, predicted: dict[str, Any]) -> None:
+        status = TrialStatus(result.status)
         data = result.to_dict()
         data.pop("knobs", None)
-        trial.set_user_attr("status", result.status)
-        trial.set_user_attr("result", data)
-        trial.set_user_attr("predicted", predicted)
-        self.known[key] = result.status
-        self.progress.launched += 1
-        if result.status == "ok":
+        values, constraint = None, None  # failed (a crash, a timeout, an invalid point): nothing learnt
+        if status is TrialStatus.OK:
             peak = max(result.peak_memory)
             values = [result.samples_per_s, float(peak)] if self.config.multi_objective else [result.samples_per_s]
-            trial.set_constraint("memory", 0.0)
-            self.study.tell(trial, values)
-            self.values[key] = values
-            self._update_best(point, result.samples_per_s)
-            self._since_best += 1
-        elif result.status == "oom":
-            values = self._infeasible_values()
-            trial.set_constraint("memory", 1.0)
-            self.study.tell(trial, values)
-            self.values[key] = values
-            self._since_best += 1
-        else:
-            self.progress.failed += 1
-            self.study.tell(trial, state=TrialState.FAIL)
-            self._since_best += 1
-        self._event(result.status, point, result=data)
+            constraint = 0.0
+        elif status.infeasible:
+            values, constraint = self._infeasible_values(), 1.0
+        self._tell(trial, point, status, values, constraint, attrs={"result": data, "predicted": predicted},
+                   event={"result": data})
+
+    def _tell(self, trial: Trial, point: Point, status: TrialStatus, values: list[float] | None,
+              constraint: float | None, attrs: dict[str, Any] | None = None,
+              event: dict[str, Any] | None = None) -> None:
+        """The one way a trial ends: its status and ``attrs`` recorded, the ``memory`` constraint
+        set (> 0: infeasible, which TPE reads), ``values`` told (None: failed), the progress counted;
+        then, for a trial the outputs show (not a repeat), the event reported and the outputs
+        rewritten."""
+        from optuna.trial import TrialState
+
+        trial.set_user_attr("status", status.value)
+        for name, value in (attrs or {}).items():
+            trial.set_user_attr(name, value)
+        if constraint is not None:
+            trial.set_constraint("memory", constraint)
+        told = self.study.tell(trial, values) if values is not None else self.study.tell(trial, state=TrialState.FAIL)
+        self.progress.count(status, point, values[0] if values else None)
+        if status is TrialStatus.DUPLICATE:  # a repeat changes nothing a user sees: no event, no rewrite
+            return
+        self._event(status.value, point, **(event or {}))
+        if self.outputs is not None:
+            self.outputs(self.study, told)
 
     def _event(self, kind: str, point: Point, **extra) -> None:
         p = self.progress
@@ -290,23 +271,14 @@ class Tuner:
                      "failed": p.failed, "duplicates": p.duplicates, "best": p.best,
                      "best_point": format_point(p.best_point) if p.best_point else None,
                      "elapsed": time.monotonic() - p.started, "target": self.config.trials, **extra})
-        if self.write and kind != "launched":  # a launch changes no output: nothing is told yet
-            from ._outputs import write_outputs
-
-            write_outputs(self)
 
     # ------------------------------------------------------------------ loop
     def trial_spec(self, trial_number: int, point: Point):
         from runners.trial import TrialSpec
 
-        return TrialSpec(model=self.config.model, model_overrides=dict(self.config.model_overrides), knobs=point,
-                         world_size=self.config.world_size, global_batch=self.workload.global_batch,
-                         seq_len=self.workload.seq_len, dtype=self.config.dtype,
-                         memory_budget=self.config.memory_budget, template=self.template.name
-                         if self.config.space is None else self.config.space,
-                         warmup_steps=self.config.warmup_steps, measured_steps=self.config.measured_steps,
-                         time_limit=self.config.trial_time_limit, device=self.config.device, seed=self.config.seed,
-                         name=f"trial-{trial_number}")
+        return TrialSpec(problem=self.problem.spec, knobs=point, warmup_steps=self.config.warmup_steps,
+                         measured_steps=self.config.measured_steps, time_limit=self.config.trial_time_limit,
+                         seed=self.config.seed, name=f"trial-{trial_number}")
 
     def _stop_reason(self) -> str | None:
         c, p = self.config, self.progress
@@ -314,14 +286,12 @@ class Tuner:
             return "trials"
         if c.time_budget is not None and time.monotonic() - p.started >= c.time_budget:
             return "time budget"
-        if c.patience is not None and self._since_best >= c.patience:
+        if c.patience is not None and p.since_best >= c.patience:
             return "no improvement"
         return None
 
     def run(self) -> dict[str, Any]:
         """Tune until the trial or time budget is spent (or nothing is left); returns a summary."""
-        if self.study is None:
-            self.open_study()
         stop = None
         pool = cf.ThreadPoolExecutor(max_workers=max(1, self.config.concurrency), thread_name_prefix="trial")
         try:
@@ -354,10 +324,8 @@ class Tuner:
                 for future in done:
                     trial, point, predicted = self._in_flight.pop(future)
                     self._tell_result(trial, point, future.result(), predicted)
-            if self.write:
-                from ._outputs import write_outputs
-
-                write_outputs(self, final=True)
+            if self.outputs is not None:
+                self.outputs.finish(self.study)
         except OSError as exc:  # the disk is full or the folder read-only: stop, keep what is recorded
             self.runner.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -377,5 +345,5 @@ class Tuner:
         p = self.progress
         return {"stop": stop, "launched": p.launched, "pruned": p.pruned, "failed": p.failed,
                 "duplicates": p.duplicates, "best": p.best, "best_point": p.best_point,
-                "elapsed": time.monotonic() - p.started, "study": self.study.study_name if self.study else None,
+                "elapsed": time.monotonic() - p.started, "study": self.study.study_name,
                 "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}}

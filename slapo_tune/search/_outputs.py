@@ -11,25 +11,34 @@ from __future__ import annotations
 import base64
 import html
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._atomic import atomic_write, atomic_write_text
+from ..plan import Plan, TrialStatus, Workload
 from ..schedule_file import make_schedule, write_schedule
+from ._known import trial_status
 
+if TYPE_CHECKING:
+    from optuna import Study
+    from optuna.trial import FrozenTrial
+
+    from ..problem import Problem
+
+LAUNCHED = [s.value for s in TrialStatus if s.launched]
 PLOTS = ("best_so_far", "throughput_by_knob", "memory_predicted_vs_measured", "pruned_region")
 
 
-def trial_rows(study, knob_names: list[str]) -> list[dict[str, Any]]:
+def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
     rows = []
     for t in study.get_trials(deepcopy=False):
-        status = t.user_attrs.get("status")
+        status = trial_status(t)
         point = t.user_attrs.get("point")
         if point is None or status is None:
             continue
         result = t.user_attrs.get("result") or {}
         predicted = t.user_attrs.get("predicted") or {}
         peaks = result.get("peak_memory") or []
-        row = {"trial": t.number, "status": status, **{k: point.get(k) for k in knob_names},
+        row = {"trial": t.number, "status": status.value, **{k: point.get(k) for k in knob_names},
                "samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
                "step_s_median": _median(result.get("step_times")), "step_spread": result.get("spread"),
                "peak_memory": max(peaks) if peaks else None,
@@ -49,11 +58,11 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def best_trial(study):
+def best_trial(study: Study) -> FrozenTrial | None:
     """The fastest trial that ran ``ok``, or None."""
     best = None
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("status") == "ok" and t.values and (best is None or t.values[0] > best.values[0]):
+        if t.user_attrs.get("status") == TrialStatus.OK and t.values and (best is None or t.values[0] > best.values[0]):
             best = t
     return best
 
@@ -62,59 +71,70 @@ REPORT_INTERVAL = 15.0  # seconds between report redraws while a study runs (plo
 REPORT_SHARE = 0.05
 
 
-def write_outputs(tuner, final: bool = False) -> None:
-    """Tables and the best schedule after every trial; the report (plots) at most every
-    ``REPORT_INTERVAL`` seconds, and always when ``final``."""
-    import time
+class Outputs:
+    """The output folder, as an Optuna-style callback: ``outputs(study, trial)`` after a told trial
+    rewrites the tables and the best schedule, and the report (plots) at most every
+    ``REPORT_INTERVAL`` seconds; :meth:`finish` writes them all, the report included."""
 
-    import pandas as pd
+    def __init__(self, out: Path, problem: Problem, strategy: str) -> None:
+        self.out, self.problem, self.strategy = out, problem, strategy
+        self._schedule_written: int | None = None  # the number of the trial best_schedule.json holds
+        self._report_written: float | None = None  # when (time.monotonic) the report was last drawn
+        self._report_seconds = 0.0  # how long drawing it took
 
-    out: Path = tuner.config.out
-    out.mkdir(parents=True, exist_ok=True)
-    rows = trial_rows(tuner.study, tuner.space.names)
-    frame = pd.DataFrame(rows)
-    atomic_write(out / "trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
-    try:
-        import pyarrow  # noqa: F401
+    def __call__(self, study: Study, trial: FrozenTrial) -> None:
+        self._write(study, final=False)  # the whole table: a trial's row is not all that changes (best, repeats)
 
-        atomic_write(out / "trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
-    except ImportError:
-        pass
-    best = best_trial(tuner.study)
-    if best is not None and getattr(tuner, "_schedule_written", None) != best.number:
-        write_schedule(out / "best_schedule.json", schedule_of(tuner, best))
-        tuner._schedule_written = best.number
-    now = time.monotonic()
-    # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
-    interval = max(REPORT_INTERVAL, getattr(tuner, "_report_seconds", 0.0) / REPORT_SHARE)
-    if final or now - getattr(tuner, "_report_written", -interval) >= interval:
-        write_report(out, frame, tuner)
-        tuner._report_written, tuner._report_seconds = now, time.monotonic() - now
+    def finish(self, study: Study) -> None:
+        self._write(study, final=True)
+
+    def _write(self, study: Study, final: bool) -> None:
+        import time
+
+        import pandas as pd
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        frame = pd.DataFrame(trial_rows(study, self.problem.space.names))
+        atomic_write(self.out / "trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
+        try:
+            import pyarrow  # noqa: F401
+
+            atomic_write(self.out / "trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
+        except ImportError:
+            pass
+        best = best_trial(study)
+        if best is not None and self._schedule_written != best.number:
+            write_schedule(self.out / "best_schedule.json", schedule_of(self.problem, study.study_name, best))
+            self._schedule_written = best.number
+        now = time.monotonic()
+        # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
+        interval = max(REPORT_INTERVAL, self._report_seconds / REPORT_SHARE)
+        if final or self._report_written is None or now - self._report_written >= interval:
+            write_report(self.out, frame, self.problem, study.study_name, self.strategy, best)
+            self._report_written, self._report_seconds = now, time.monotonic() - now
 
 
-def schedule_of(tuner, trial) -> dict[str, Any]:
+def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial) -> dict[str, Any]:
     from ..models import config_fingerprint
-    from ..template import accumulation
 
-    point = trial.user_attrs["point"]
+    plan = problem.plan(trial.user_attrs["point"])
     result = trial.user_attrs.get("result") or {}
     predicted = trial.user_attrs.get("predicted") or {}
-    c = tuner.config
+    p = problem.spec
     return make_schedule(
-        template={"name": tuner.template.name, "version": str(tuner.template.version)}, knobs=point,
-        world_size=c.world_size, global_batch=tuner.workload.global_batch, seq_len=tuner.workload.seq_len,
-        dtype=c.dtype, device=c.device, accumulation=accumulation(point, tuner.workload),
-        model={"name": c.model, "overrides": dict(c.model_overrides),
-               "fingerprint": config_fingerprint(tuner.spec.config())},
+        template={"name": problem.template.name, "version": str(problem.template.version)}, plan=plan,
+        world_size=p.world_size, global_batch=p.global_batch, seq_len=p.seq_len, dtype=p.dtype, device=p.device,
+        model={"name": p.model, "overrides": dict(p.model_overrides),
+               "fingerprint": config_fingerprint(problem.config)},
         measured={"samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
                   "peak_memory": result.get("peak_memory"), "step_times": result.get("step_times"),
                   "trial": trial.number},
         predicted={"peak_memory": predicted.get("peak"), "step_seconds": predicted.get("step_s")},
-        study=tuner.study.study_name,
+        study=study_name,
     )
 
 
-def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
+def _plots(out: Path, frame, knob_names: list[str], budget: int, workload: Workload) -> list[str]:
     try:
         import matplotlib
 
@@ -123,7 +143,7 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
     except ImportError:
         return []
     made = []
-    ok = frame[frame.status == "ok"] if len(frame) else frame
+    ok = frame[frame.status == TrialStatus.OK] if len(frame) else frame
 
     def save(fig, name):
         path = out / f"{name}.png"
@@ -133,7 +153,7 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
 
     if len(ok):
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        launched = frame[frame.status.isin(["ok", "oom", "crash", "timeout"])].sort_values("trial")
+        launched = frame[frame.status.isin(LAUNCHED)].sort_values("trial")
         best = launched.samples_per_s.fillna(0).cummax()
         ax.step(range(1, len(best) + 1), best, where="post")
         ax.set_xlabel("launched trials")
@@ -162,11 +182,15 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
         ax.set_title("Memory: predicted vs measured")
         fig.tight_layout()
         save(fig, "memory_predicted_vs_measured")
-    if len(frame) and {"micro_batch", "ckpt_ratio"} <= set(frame.columns):
+    if len(frame):
         fig, ax = plt.subplots(figsize=(4.5, 3.2))
-        colors = {"ok": "tab:green", "oom": "tab:red", "pruned": "tab:orange", "crash": "k", "timeout": "tab:gray"}
-        for status, part in frame[frame.status.isin(list(colors))].groupby("status"):
-            ax.scatter(part.micro_batch, part.ckpt_ratio, s=20, c=colors[status], label=status, alpha=0.7)
+        colors = {TrialStatus.OK: "tab:green", TrialStatus.OOM: "tab:red", TrialStatus.PRUNED: "tab:orange",
+                  TrialStatus.CRASH: "k", TrialStatus.TIMEOUT: "tab:gray"}
+        for status, part in frame[frame.status.isin([s.value for s in colors])].groupby("status"):
+            # every template has these two knobs: read them as the plan's own attributes
+            plans = [Plan.of(dict(zip(knob_names, row)), workload) for row in part[knob_names].itertuples(index=False)]
+            ax.scatter([p.micro_batch for p in plans], [p.ckpt_ratio for p in plans], s=20, c=colors[status],
+                       label=status, alpha=0.7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("checkpoint ratio")
@@ -177,19 +201,23 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
     return made
 
 
-def write_report(out: Path, frame, tuner) -> None:
-    plots = _plots(out, frame, tuner.space.names, tuner.config.memory_budget)
-    p = tuner.progress
-    best = p.best_point
+def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: str,
+                 best: FrozenTrial | None) -> None:
+    budget = problem.spec.memory_budget
+    plots = _plots(out, frame, problem.space.names, budget, problem.workload)
+    statuses = [TrialStatus(s) for s in frame.status] if len(frame) else []
+    launched, pruned = sum(s.launched for s in statuses), statuses.count(TrialStatus.PRUNED)
+    failed = sum(s.failed for s in statuses)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>slapo-tune report</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}"
         "td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:48%;margin:4px}</style></head><body>",
-        f"<h1>slapo-tune: {html.escape(tuner.config.model)} on {tuner.config.world_size} rank(s)</h1>",
-        f"<p>study <b>{html.escape(tuner.study.study_name)}</b>, template {html.escape(tuner.template.describe())}, "
-        f"strategy {html.escape(tuner.config.strategy)}, budget {tuner.config.memory_budget / 2**20:.0f} MiB per rank; "
-        f"{p.launched} launched, {p.pruned} pruned, {p.failed} failed.</p>",
-        f"<p>best: <b>{html.escape(str(best))}</b> at {p.best or 0:.2f} samples/s</p>" if best else "<p>no point ran ok yet</p>",
+        f"<h1>slapo-tune: {html.escape(problem.spec.model)} on {problem.spec.world_size} rank(s)</h1>",
+        f"<p>study <b>{html.escape(study_name)}</b>, template {html.escape(problem.template.describe())}, "
+        f"strategy {html.escape(strategy)}, budget {budget / 2**20:.0f} MiB per rank; "
+        f"{launched} launched, {pruned} pruned, {failed} failed.</p>",
+        f"<p>best: <b>{html.escape(str(best.user_attrs['point']))}</b> at {best.values[0]:.2f} samples/s</p>"
+        if best else "<p>no point ran ok yet</p>",
     ]
     for name in plots:
         data = base64.b64encode((out / f"{name}.png").read_bytes()).decode()

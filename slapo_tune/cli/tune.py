@@ -1,0 +1,140 @@
+"""``slapo-tune tune``: search for the fastest schedule that fits, running real trials."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..search import STRATEGIES
+from ._common import add_problem_arguments, positive_int, problem_spec
+
+HELP = "search for the fastest schedule that fits, running real trials"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_problem_arguments(p, model="gpt2-tiny", world_size=2)
+    p.add_argument("--memory-budget", default="16MiB", help="per-rank memory budget (default: %(default)s)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
+    p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
+    p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
+    p.add_argument("--strategy", default="tpe", help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
+    p.add_argument("--objective", default="throughput", choices=["throughput", "throughput,memory"])
+    p.add_argument("--prune", default="exact", choices=["exact", "analytic", "none"],
+                   help="cost-model pruning before launch (default: %(default)s)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default: a journal file in --out)")
+    p.add_argument("--study", default=None, help="study name (default: the --out folder's name)")
+    p.add_argument("--ray-address", default="local",
+                   help="local (start a Ray head), none (local processes, no Ray), or ADDRESS of a running cluster")
+    p.add_argument("--concurrency", type=int, default=None, help="trials in flight (default: what the cluster holds)")
+    p.add_argument("--measured-steps", type=int, default=3)
+    p.add_argument("--trial-timeout", default="5m", help="wall-clock limit of one trial (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default: results/<model>-w<world>)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quiet", action="store_true", help="only the final summary")
+    mode.add_argument("--json-lines", action="store_true", help="one JSON object per event on stdout")
+
+
+class ProgressPrinter:
+    """The tuner's events on the terminal: a progress line per told trial, JSON lines, or nothing."""
+
+    def __init__(self, mode: str, stream=None):
+        self.mode, self.stream = mode, stream or sys.stderr
+
+    def __call__(self, event: dict) -> None:
+        if self.mode == "quiet":
+            return
+        if self.mode == "json":
+            print(json.dumps(event, default=str), flush=True)
+            return
+        if event["event"] == "launched":
+            return
+        done = event["launched"]
+        elapsed = event["elapsed"]
+        eta = elapsed / done * (event["target"] - done) if done else 0.0
+        best = f"{event['best']:.2f} samples/s ({event['best_point']})" if event["best"] else "-"
+        what = event["event"] if event["event"] != "pruned" else f"pruned: {event.get('reason', '')}"
+        print(f"[{done:>3}/{event['target']}] pruned {event['pruned']} failed {event['failed']} | best {best} | "
+              f"{_clock(elapsed)} elapsed, ~{_clock(eta)} left | {event['point']}: {what}",
+              file=self.stream, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from ..models import preset_names
+    from ..search import TuneConfig, Tuner
+    from ..search._cluster import connect
+    from ..search._storage import check_storage, redact
+    from ..space import format_point
+    from ..units import parse_duration, parse_size
+
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
+    budget = parse_size(args.memory_budget)
+    time_budget = parse_duration(args.time_budget) if args.time_budget else None
+    trial_timeout = parse_duration(args.trial_timeout)
+    device = args.device or _default_device()
+    model_label = args.model if args.model in preset_names() else Path(args.model).stem
+    out = Path(args.out or f"results/{model_label}-w{args.world_size}")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output folder {out} is a file; choose another --out")
+    problem = problem_spec(args, dtype=args.dtype, device=device, memory_budget=budget).resolve()
+    check_storage(args.storage)  # an unusable URL fails here, before anything is started or written
+    cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
+                      args.concurrency)
+    try:
+        config = TuneConfig(problem=problem.spec, out=out, trials=args.trials, time_budget=time_budget,
+                            strategy=args.strategy, objective=args.objective, storage=args.storage,
+                            study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
+                            prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
+                            trial_time_limit=trial_timeout)
+        printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
+        tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
+        storage = redact(args.storage) if args.storage else str(out / "study.journal")
+        if not args.json_lines:
+            print(f"slapo-tune: {args.model} on {args.world_size} rank(s), budget {args.memory_budget} per rank, "
+                  f"strategy {config.strategy}, {config.trials} trial(s); {cluster.describe()}; study "
+                  f"'{tuner.study.study_name}' in {storage}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        summary = tuner.run()
+    except KeyboardInterrupt:
+        print(f"slapo-tune: interrupted; running trials were stopped. Resume with the same command "
+              f"(the study in {out} keeps every finished trial).", file=sys.stderr)
+        return 130
+    finally:
+        cluster.stop()  # trials, and a Ray head this tuner started, end with the command
+    if args.json_lines:
+        print(json.dumps({"event": "done", **summary}, default=str))
+    else:
+        best = summary["best_point"]
+        print(f"done in {time.monotonic() - t0:.0f} s ({summary['stop']}): {summary['launched']} launched, "
+              f"{summary['pruned']} pruned, {summary['failed']} failed, {summary['duplicates']} repeat(s) answered "
+              f"from the study")
+        if best:
+            print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {out / 'best_schedule.json'}")
+        else:
+            print("no point ran ok: loosen --memory-budget or check the failures in trials.csv")
+        print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
+              f"optuna-dashboard {args.storage or 'journal:' + str(out / 'study.journal')})")
+    return 0
+
+
+def _mkdir(out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
