@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..problem import Problem, ProblemSpec
+from ..problem import ProblemSpec
 
 
 def positive_int(text: str) -> int:
@@ -41,6 +41,3 @@ def problem_spec(args: argparse.Namespace, **fields) -> ProblemSpec:
     return ProblemSpec(args.model, args.world_size, template=args.space, global_batch=args.global_batch,
                        seq_len=args.seq_len, **fields)
 
-
-def resolve_problem(args: argparse.Namespace, config=None, **fields) -> Problem:
-    return problem_spec(args, **fields).resolve(config)

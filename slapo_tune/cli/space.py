@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from ._common import add_problem_arguments, resolve_problem
+from ._common import add_problem_arguments, problem_spec
 
 HELP = "list the knobs of a model's search space and count its legal points"
 
@@ -21,10 +21,9 @@ def run(args: argparse.Namespace) -> int:
     from ..space import product_size
     from . import EXIT_OK
 
-    problem = resolve_problem(args)
-    template, info, workload = problem.template, problem.info, problem.workload
-    t0 = time.perf_counter()  # the space itself (imports and config loading are not the space's cost)
-    space = template.space(info, workload)
+    problem = problem_spec(args).resolve()
+    template, info, workload, space = problem.template, problem.info, problem.workload, problem.space
+    t0 = time.perf_counter()  # the space's work (imports and config loading are not the space's cost)
     domains = space.domains() if args.domains else None
     count = space.count()
     elapsed = time.perf_counter() - t0

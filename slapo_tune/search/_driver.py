@@ -107,11 +107,11 @@ class Tuner:
         self.runner, self.report = runner, report or (lambda _event: None)
         self.space, self.workload, self.template = self.problem.space, self.problem.workload, self.problem.template
         self.cost = CostModel(self.problem, hardware(self.problem.spec.device))
+        self._known = KnownReader()  # what the study knows: point key -> status, told values, running
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
-                                                          rank=self._predicted_throughput)
+                                                          rank=self._predicted_throughput, known=self._known)
         self.outputs = Outputs(self.config.out, self.problem, self.config.strategy) if write_outputs else None
         self.progress = Progress()
-        self._known = KnownReader()  # what the study knows: point key -> status, told values, running
         self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}
         self.study = self._open_study()
 

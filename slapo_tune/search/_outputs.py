@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._atomic import atomic_write, atomic_write_text
-from ..plan import Plan, TrialStatus, Workload
+from ..plan import TrialStatus
 from ..schedule_file import make_schedule, write_schedule
 from ._known import trial_status
 
@@ -134,7 +134,7 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial) -> dict[s
     )
 
 
-def _plots(out: Path, frame, knob_names: list[str], budget: int, workload: Workload) -> list[str]:
+def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
     try:
         import matplotlib
 
@@ -187,10 +187,8 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int, workload: Workl
         colors = {TrialStatus.OK: "tab:green", TrialStatus.OOM: "tab:red", TrialStatus.PRUNED: "tab:orange",
                   TrialStatus.CRASH: "k", TrialStatus.TIMEOUT: "tab:gray"}
         for status, part in frame[frame.status.isin([s.value for s in colors])].groupby("status"):
-            # every template has these two knobs: read them as the plan's own attributes
-            plans = [Plan.of(dict(zip(knob_names, row)), workload) for row in part[knob_names].itertuples(index=False)]
-            ax.scatter([p.micro_batch for p in plans], [p.ckpt_ratio for p in plans], s=20, c=colors[status],
-                       label=status, alpha=0.7)
+            # every template has these two knobs (plan.KNOBS), so the table has their columns
+            ax.scatter(part.micro_batch, part.ckpt_ratio, s=20, c=colors[status], label=status, alpha=0.7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch")
         ax.set_ylabel("checkpoint ratio")
@@ -204,7 +202,7 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int, workload: Workl
 def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: str,
                  best: FrozenTrial | None) -> None:
     budget = problem.spec.memory_budget
-    plots = _plots(out, frame, problem.space.names, budget, problem.workload)
+    plots = _plots(out, frame, problem.space.names, budget)
     statuses = [TrialStatus(s) for s in frame.status] if len(frame) else []
     launched, pruned = sum(s.launched for s in statuses), statuses.count(TrialStatus.PRUNED)
     failed = sum(s.failed for s in statuses)

@@ -53,9 +53,9 @@ class OrderedSampler(optuna.samplers.BaseSampler):
     """Proposes the first point of :meth:`ordering` that is neither told nor running (subclasses
     may instead override :meth:`next_point`)."""
 
-    def __init__(self, problem: Problem, seed: int = 0) -> None:
+    def __init__(self, problem: Problem, seed: int = 0, known: KnownReader | None = None) -> None:
         self.problem, self.space = problem, problem.space
-        self._known = KnownReader()
+        self._known = known or KnownReader()  # the driver passes its own: one cache of the study
         self._next: tuple[Any, Point | None] | None = None  # (what it was worked out from, the point)
         self._asked: tuple[int, Point | None] | None = None  # (trial number, the point it is given)
         # asked while nothing is left (the driver checks is_exhausted first): any legal value,
@@ -105,8 +105,9 @@ class Grid(OrderedSampler):
 class ModelRanked(OrderedSampler):
     """Best predicted throughput first (the cost model's ranking; pruned points never appear)."""
 
-    def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None) -> None:
-        super().__init__(problem, seed)
+    def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
+                 known: KnownReader | None = None) -> None:
+        super().__init__(problem, seed, known)
         self.rank = rank
         self._order: list[Point] | None = None
 
@@ -123,8 +124,8 @@ class Frontier(OrderedSampler):
     out of memory (so this point, needing at least as much, cannot fit either), or the same
     micro-batch already fits with less checkpointing (so it can only be slower)."""
 
-    def __init__(self, problem: Problem, seed: int = 0) -> None:
-        super().__init__(problem, seed)
+    def __init__(self, problem: Problem, seed: int = 0, known: KnownReader | None = None) -> None:
+        super().__init__(problem, seed, known)
         self._walk: list[list[tuple[str, Point, Plan]]] | None = None  # groups, each in walking order
         self._where: dict[str, tuple[int, Plan]] = {}  # point key -> (its group's index, its plan)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import UsageError
 from ..space import Point, Space, point_key
-from ._known import Known
+from ._known import Known, KnownReader
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -27,10 +27,11 @@ class Strategy(Protocol):
         """True when the strategy has no point left to propose."""
 
 
-def make_strategy(name: str, problem: Problem, seed: int = 0,
-                  rank: Callable[[Point], float] | None = None) -> BaseSampler:
+def make_strategy(name: str, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
+                  known: KnownReader | None = None) -> BaseSampler:
     """The Optuna sampler of strategy ``name``, a :class:`Strategy` too (``rank``: the cost model's
-    predicted throughput of a point, which the ``model`` strategy orders by)."""
+    predicted throughput of a point, which the ``model`` strategy orders by; ``known``: the reader
+    of the study the caller already keeps, which the ordered strategies then share)."""
     from . import _samplers
 
     if name not in STRATEGIES:
@@ -42,8 +43,8 @@ def make_strategy(name: str, problem: Problem, seed: int = 0,
     if name == "model":
         if rank is None:
             raise UsageError("the 'model' strategy needs the cost model")
-        return _samplers.ModelRanked(problem, seed, rank)
-    return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed)
+        return _samplers.ModelRanked(problem, seed, rank, known)
+    return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed, known)
 
 
 def random_unknown(space: Space, known: Known, seed: int) -> Point | None:
