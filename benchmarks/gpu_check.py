@@ -57,7 +57,7 @@ def _problem(model: str, global_batch: int, seq: int, budget: int) -> Problem:
     """One model on this CUDA device at world 1 in bf16 under ``budget`` bytes (resolved)."""
     from slapo_tune.problem import ProblemSpec
 
-    return ProblemSpec(model, 1, global_batch=global_batch, seq_len=seq, dtype="bf16", device=DEVICE,
+    return ProblemSpec(model, 1, global_batch=global_batch, seq_len=seq, precision="bf16", device=DEVICE,
                        memory_budget=budget).resolve()
 
 

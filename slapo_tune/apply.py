@@ -113,7 +113,7 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
         raise UsageError(f"{where}: template {template.name} is version {template.version} here but the schedule "
                          f"was made with version {data['template']['version']}; re-tune with this slapo-tune")
     problem_spec = ProblemSpec(spec.name, data["world_size"], model_overrides=dict(spec.overrides), template=name,
-                               global_batch=data["global_batch"], seq_len=data["seq_len"], dtype=data["dtype"],
+                               global_batch=data["global_batch"], seq_len=data["seq_len"], precision=data["precision"],
                                device=data["device"])
     try:
         problem = problem_spec.resolve(config, template)

@@ -20,13 +20,13 @@ from .errors import UsageError
 
 @dataclass(frozen=True)
 class Workload:
-    """What is trained: world size, the fixed global batch, the sequence length and the compute
-    dtype (``fp32``, or ``bf16``/``fp16`` under autocast with fp32 parameters and optimizer)."""
+    """What is trained: world size, the fixed global batch, the sequence length and the precision
+    (a name in :data:`slapo_tune.precision.PRECISIONS`)."""
 
     world_size: int
     global_batch: int
     seq_len: int = 128
-    dtype: str = "fp32"
+    precision: str = "fp32"
 
 
 def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:

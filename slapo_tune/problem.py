@@ -45,7 +45,7 @@ class ProblemSpec:
     template: str | None = None
     global_batch: int | None = None
     seq_len: int | None = None
-    dtype: str = "fp32"
+    precision: str = "fp32"
     device: str = "cpu"
     memory_budget: int | None = None
 
@@ -59,12 +59,12 @@ class ProblemSpec:
         schedule is a :class:`UsageError`."""
         from search_spaces import load_template, template_for
 
-        from .runtime import check_dtype
+        from .precision import precision
 
         if self.world_size < 1:
             raise UsageError(f"the world size must be a positive integer, got {self.world_size}")
         try:
-            check_dtype(self.dtype)
+            precision(self.precision)
         except Exception as exc:  # noqa: BLE001 - the runtime's ScheduleError, as a usage error
             raise UsageError(str(exc)) from None
         config = config if config is not None else self.model_spec.config()
@@ -77,7 +77,7 @@ class ProblemSpec:
         spec = replace(self, global_batch=self.global_batch or default_global_batch(self.world_size),
                        seq_len=seq_len)
         info = ModelInfo.from_config(config)
-        workload = Workload(spec.world_size, spec.global_batch, spec.seq_len, spec.dtype)
+        workload = Workload(spec.world_size, spec.global_batch, spec.seq_len, spec.precision)
         space = template.space(info, workload)
         if next(space.enumerate(), None) is None:
             raise UsageError(
@@ -125,4 +125,4 @@ class Problem:
     def describe(self) -> str:
         w = self.workload
         return (f"{self.model.name}: template {self.template.describe()}, world {w.world_size}, global batch "
-                f"{w.global_batch}, seq {w.seq_len}, {w.dtype}")
+                f"{w.global_batch}, seq {w.seq_len}, {w.precision}")

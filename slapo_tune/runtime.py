@@ -17,16 +17,9 @@ import torch.distributed as dist
 from ._data_parallel import average_gradients
 from ._pipeline import StageModule
 from .errors import ScheduleError
+from .precision import precision as precision_named
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-# compute dtypes: fp32, or 16-bit autocast over fp32 parameters, gradients and optimizer state
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise ScheduleError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
-    return name
 
 
 def _schedule_class(name: str):
@@ -65,7 +58,7 @@ class TrainStep:
 
     def __init__(self, model: StageModule, *, n_microbatches: int = 1, schedule: str = "1f1b",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 dtype: str = "fp32"):
+                 precision: str = "fp32"):
         if not isinstance(model, StageModule):
             raise ScheduleError("TrainStep needs a model built with a topology: build(sch, topology=...)")
         if schedule not in PIPELINE_SCHEDULES:
@@ -77,7 +70,7 @@ class TrainStep:
             raise ScheduleError(f"1F1B needs at least as many micro-batches as stages ({topo.pp}), got {n_microbatches}")
         self.model, self.topology = model, topo
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
-        self.dtype = check_dtype(dtype)
+        self.precision = precision_named(precision)
         self.loss_fn = loss_fn or default_loss_fn(model.model)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
@@ -147,9 +140,9 @@ class TrainStep:
         return loss
 
     def _precision(self):
-        if self.dtype == "fp32":
+        if self.precision.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.dtype])
+        return torch.autocast(self.device.type, dtype=self.precision.autocast)
 
     def _sync_gradients(self) -> None:
         topo, info = self.topology, self.model.info

@@ -1,5 +1,11 @@
 """The exported schedule: ``best_schedule.json``, a versioned, framework-neutral description of a
-tuned schedule point. Plain JSON data, validated field by field on load, never executed."""
+tuned schedule point. Plain JSON data, validated field by field on load, never executed.
+
+Version 2 names the training precision (``precision``: ``fp32``, ``amp-bf16``, ``bf16``; see
+:mod:`slapo_tune.precision`) and allows ``zero`` 1 and 2. Version-1 files still load: their
+``dtype`` (``fp32``, or ``bf16`` meaning autocast over fp32 parameters) becomes the precision that
+ran then (``fp32`` or ``amp-bf16``).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ from .errors import UsageError
 from .plan import Plan
 
 FORMAT = "slapo-tune-schedule"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 # field -> (type(s), required)
 _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
@@ -30,7 +37,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "micro_batch": ((int,), True),
     "accumulation": ((int,), True),
     "seq_len": ((int,), True),
-    "dtype": ((str,), True),
+    "precision": ((str,), True),
     "model": ((dict,), True),
     "device": ((str,), True),
     "versions": ((dict,), False),
@@ -64,7 +71,7 @@ def _installed_versions() -> dict[str, str]:
 
 
 def make_schedule(*, template: Mapping[str, str], plan: Plan, world_size: int, global_batch: int,
-                  seq_len: int, dtype: str, model: Mapping[str, Any], device: str,
+                  seq_len: int, precision: str, model: Mapping[str, Any], device: str,
                   measured: Mapping[str, Any] | None = None, predicted: Mapping[str, Any] | None = None,
                   study: str = "") -> dict[str, Any]:
     """The schedule file of ``plan`` (its knobs, layout and batch sizes come from the plan only)."""
@@ -73,7 +80,7 @@ def make_schedule(*, template: Mapping[str, str], plan: Plan, world_size: int, g
         "world_size": world_size,
         "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero": plan.zero},
         "global_batch": global_batch, "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
-        "seq_len": seq_len, "dtype": dtype, "model": dict(model), "device": device,
+        "seq_len": seq_len, "precision": precision, "model": dict(model), "device": device,
         "versions": library_versions(), "measured": dict(measured or {}), "predicted": dict(predicted or {}),
         "study": study, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -85,9 +92,11 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
         raise UsageError(f"{where}: not a schedule file (expected a JSON object)")
     if data.get("format") != FORMAT:
         raise UsageError(f"{where}: not a slapo-tune schedule (format {data.get('format')!r}, expected {FORMAT!r})")
-    if data.get("version") != VERSION:
+    if data.get("version") not in READABLE_VERSIONS or isinstance(data.get("version"), bool):
         raise UsageError(f"{where}: unsupported schedule version {data.get('version')!r} (this slapo-tune reads "
-                         f"version {VERSION}); re-export it with a matching slapo-tune")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}); re-export it with a matching slapo-tune")
+    if data["version"] == 1:
+        data = _from_version_1(data, where)
     for name, (types, required) in _FIELDS.items():
         if name not in data:
             if required:
@@ -104,16 +113,31 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
     for key, value in data["knobs"].items():
         if not isinstance(value, (int, float, str)) or isinstance(value, bool):
             raise UsageError(f"{where}: knob {key} has a non-scalar value {value!r}")
-    from .runtime import DTYPES
+    from .precision import PRECISIONS
 
-    if data["dtype"] not in DTYPES:
-        raise UsageError(f"{where}: dtype {data['dtype']!r} is not one of {', '.join(DTYPES)}")
+    if data["precision"] not in PRECISIONS:
+        raise UsageError(f"{where}: precision {data['precision']!r} is not one of {', '.join(PRECISIONS)}")
     for name, limit in _LIMITS.items():
         if data[name] < 1:
             raise UsageError(f"{where}: {name} must be positive, got {data[name]}")
         if data[name] > limit:
             raise UsageError(f"{where}: {name} must be at most {limit}, got {data[name]}")
     return data
+
+
+def _from_version_1(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """A version-1 schedule as version 2: its ``dtype`` is the precision it ran in."""
+    from .precision import LEGACY_DTYPES
+
+    dtype = data.get("dtype")
+    if not isinstance(dtype, str):
+        raise UsageError(f"{where}: missing field 'dtype' (a version-1 schedule)")
+    if dtype not in LEGACY_DTYPES:
+        raise UsageError(f"{where}: version-1 dtype {dtype!r} has no precision here (it ran without a loss "
+                         f"scaler); re-tune with --precision {' or '.join(LEGACY_DTYPES.values())}")
+    converted = {k: v for k, v in data.items() if k != "dtype"}
+    converted.update(version=VERSION, precision=LEGACY_DTYPES[dtype])
+    return converted
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:

@@ -68,7 +68,7 @@ class Session:
         schedule = problem.template.schedule(model, plan, self.topology)
         self.stage = build(schedule, topology=self.topology, zero=plan.zero, seed=seed, device=device)
         self.step = TrainStep(self.stage, n_microbatches=plan.accumulation, schedule=plan.pipeline_schedule,
-                              dtype=problem.workload.dtype)
+                              precision=problem.workload.precision)
         self.optimizer = default_optimizer(self.stage.parameters(), **({} if lr is None else {"lr": lr}))
 
     @property

@@ -41,7 +41,7 @@ WORLD, MEMORY_WORKLOAD = 2, Workload(2, 8, 32)
 
 def _problem(model: str, workload: Workload, **overrides) -> ProblemSpec:
     return ProblemSpec(model, workload.world_size, model_overrides=overrides, global_batch=workload.global_batch,
-                       seq_len=workload.seq_len, dtype=workload.dtype)
+                       seq_len=workload.seq_len, precision=workload.precision)
 
 
 def _memory_spec(preset: str) -> ProblemSpec:

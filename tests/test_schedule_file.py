@@ -15,7 +15,7 @@ def _schedule():
     knobs = {"tp": 2, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.5,
              "pipeline_schedule": "1f1b", "attn": "sdpa", "fuse": "off"}
     return make_schedule(template={"name": "gpt2", "version": "1"}, plan=Plan.of(knobs, Workload(2, 16, 128)),
-                         world_size=2, global_batch=16, seq_len=128, dtype="fp32",
+                         world_size=2, global_batch=16, seq_len=128, precision="fp32",
                          model={"name": "gpt2-tiny", "fingerprint": "abc"}, device="cpu",
                          measured={"samples_per_s": 12.5}, study="s")
 
@@ -57,7 +57,7 @@ def test_missing_and_truncated_files(tmp_path):
 
 # The file format as the README documents it (Tuning, Outputs): written out here, not read from the code.
 REQUIRED = ("format", "version", "template", "knobs", "world_size", "layout", "global_batch", "micro_batch",
-            "accumulation", "seq_len", "dtype", "model", "device")
+            "accumulation", "seq_len", "precision", "model", "device")
 OPTIONAL = ("versions", "measured", "predicted", "study", "created")
 
 
@@ -141,3 +141,17 @@ def test_versions_name_the_installed_packages_and_skip_absent_ones(monkeypatch):
         schedule_file._installed_versions.cache_clear()
     assert "optuna" not in versions  # and the packages after it are still looked up:
     assert versions["torch"] == real("torch") and versions["ray"] == real("ray")
+
+
+def test_a_version_1_file_loads_with_the_precision_it_ran_in(tmp_path):
+    """Version-1 files named a dtype; "bf16" then meant autocast over fp32 parameters, which is
+    today's amp-bf16 (not bf16 parameters). fp16 ran without a loss scaler and is refused."""
+    path = tmp_path / "v1.json"
+    for dtype, precision in (("fp32", "fp32"), ("bf16", "amp-bf16")):
+        data = {k: v for k, v in _schedule().items() if k != "precision"}
+        path.write_text(json.dumps({**data, "version": 1, "dtype": dtype}))
+        loaded = read_schedule(path)
+        assert (loaded["version"], loaded["precision"], "dtype" in loaded) == (2, precision, False)
+    path.write_text(json.dumps({**data, "version": 1, "dtype": "fp16"}))
+    with pytest.raises(UsageError, match="version-1 dtype 'fp16' has no precision here"):
+        read_schedule(path)

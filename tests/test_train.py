@@ -42,7 +42,7 @@ def _losses(stdout: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in STEP.findall(stdout)}
 
 
-def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32, dtype: str = "fp32",
+def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32, precision: str = "fp32",
               **knobs) -> Path:
     point = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
              "attn": "sdpa", "fuse": "off", **knobs}
@@ -50,8 +50,8 @@ def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_
     config = load_config(preset)
     schedule = make_schedule(
         template={"name": preset.split("-")[0], "version": "1"},
-        plan=Plan.of(point, Workload(world, global_batch, seq_len, dtype)), world_size=world,
-        global_batch=global_batch, seq_len=seq_len, dtype=dtype, device="cpu",
+        plan=Plan.of(point, Workload(world, global_batch, seq_len, precision)), world_size=world,
+        global_batch=global_batch, seq_len=seq_len, precision=precision, device="cpu",
         model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)})
     write_schedule(path, schedule)
     return path
@@ -109,15 +109,15 @@ def test_a_bf16_schedule_trains_under_autocast(tmp_path, no_leftover_children):
     one whose first loss moves most under bf16, 5e-5; GPT-2's moves by 5e-6, below the log's
     resolution of the tolerance.)"""
     runs = {}
-    for dtype in ("fp32", "bf16"):  # one micro-batch: the reference runs the same batch in one pass
-        path = _schedule(tmp_path / f"{dtype}.json", "opt-tiny", dtype=dtype, micro_batch=8)
+    for precision in ("fp32", "amp-bf16"):  # one micro-batch: the reference runs the same batch in one pass
+        path = _schedule(tmp_path / f"{precision}.json", "opt-tiny", precision=precision, micro_batch=8)
         done = _cli("train", "--schedule", str(path), "--steps", "5")
         assert done.returncode == 0, done.stderr
-        runs[dtype] = _losses(done.stdout)
+        runs[precision] = _losses(done.stdout)
     reference = _reference_losses("opt-tiny", 8, 32, 5, autocast=torch.bfloat16)
     tolerance = 2e-5  # as for fp32 above
-    assert [runs["bf16"][s] for s in range(1, 6)] == pytest.approx(reference, abs=tolerance)
-    assert abs(runs["bf16"][1] - runs["fp32"][1]) > tolerance
+    assert [runs["amp-bf16"][s] for s in range(1, 6)] == pytest.approx(reference, abs=tolerance)
+    assert abs(runs["amp-bf16"][1] - runs["fp32"][1]) > tolerance
 
 
 def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
@@ -215,12 +215,12 @@ def _edit(path: Path, **changes) -> Path:
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist"),
     ("truncated", "is not valid JSON"),
-    ("version", "unsupported schedule version 2"),
+    ("version", "unsupported schedule version 3"),
     ("tampered", "tp=3 is not legal"),
     ("model", "was tuned for model 'gpt2-tiny'"),
     ("world", "is for 2 ranks but this job has 4"),
     ("template", "is not built in"),
-    ("dtype", "dtype 'banana' is not one of fp32, bf16, fp16"),
+    ("precision", "precision 'banana' is not one of fp32, amp-bf16, bf16"),
     ("init-missing", "no such folder"),
     ("init-empty", "not a Hugging Face checkpoint folder"),
 ])
@@ -232,7 +232,7 @@ def test_bad_schedule_is_one_line_exit_2(tmp_path, capsys, case, message):
     elif case == "truncated":
         path.write_text(path.read_text()[:100])
     elif case == "version":
-        _edit(path, version=2)
+        _edit(path, version=3)
     elif case == "tampered":
         _edit(path, knobs={"tp": 3})
     elif case == "model":
@@ -241,8 +241,8 @@ def test_bad_schedule_is_one_line_exit_2(tmp_path, capsys, case, message):
         args += ["--world-size", "4"]
     elif case == "template":
         _edit(path, template={"name": "os:system", "version": "1"})
-    elif case == "dtype":
-        _edit(path, dtype="banana")
+    elif case == "precision":
+        _edit(path, precision="banana")
     elif case == "init-missing":
         args += ["--init-from", str(tmp_path / "nope")]
     elif case == "init-empty":
@@ -293,8 +293,8 @@ def _should_load(data, valid: dict) -> bool:
         got = data[key]
         if key in _ANY_OF_TYPE:
             ok = isinstance(got, _ANY_OF_TYPE[key])
-        elif key == "dtype":
-            ok = got in ("fp32", "bf16", "fp16")
+        elif key == "precision":
+            ok = got in ("fp32", "amp-bf16", "bf16")
         elif key == "seq_len":  # any length the model has positions for
             ok = type(got) is int and 1 <= got <= 256
         elif key == "knobs":  # the same point; an integral float knob may be written as an int
@@ -328,7 +328,7 @@ def test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run(tmp_pa
     knobs = {"tp": 2, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
              "attn": "sdpa", "fuse": "off"}
     valid = make_schedule(template={"name": "gpt2", "version": "1"}, plan=Plan.of(knobs, Workload(2, 8, 32)),
-                          world_size=2, global_batch=8, seq_len=32, dtype="fp32", device="cpu",
+                          world_size=2, global_batch=8, seq_len=32, precision="fp32", device="cpu",
                           model={"name": "gpt2-tiny", "overrides": {},
                                  "fingerprint": config_fingerprint(load_config("gpt2-tiny"))})
     data = json.loads(json.dumps(valid))

@@ -36,6 +36,14 @@ def add_problem_arguments(p: argparse.ArgumentParser, *, model: str | None = Non
                    help="sequence length (default: 128, or the model's positions if fewer)")
 
 
+def add_precision_argument(p: argparse.ArgumentParser, default_help: str) -> None:
+    """``--precision`` (see :mod:`slapo_tune.precision`)."""
+    from ..precision import PRECISIONS
+
+    p.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                   help="; ".join(f"{name}: {prec.doc}" for name, prec in PRECISIONS.items()) + f" (default: {default_help})")
+
+
 def problem_spec(args: argparse.Namespace, **fields) -> ProblemSpec:
     """The :class:`ProblemSpec` of the parsed problem arguments (plus ``fields``)."""
     return ProblemSpec(args.model, args.world_size, template=args.space, global_batch=args.global_batch,

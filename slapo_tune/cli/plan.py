@@ -7,7 +7,7 @@ import json
 import time
 
 from ..units import format_size
-from ._common import add_problem_arguments, positive_int, problem_spec
+from ._common import add_precision_argument, add_problem_arguments, positive_int, problem_spec
 
 HELP = "rank a cluster's schedule points with the cost model alone (nothing runs)"
 
@@ -17,8 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", required=True, help="per-device memory, e.g. 80GiB")
     p.add_argument("--device", default="a100-80gb",
                    help="hardware preset: cpu, a100-80gb, a100-40gb, h100-80gb, h200, v100-32gb (default: %(default)s)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="compute dtype (default: bf16 on GPUs, fp32 on cpu)")
+    add_precision_argument(p, "bf16 on GPUs, fp32 on cpu")
     p.add_argument("--knobs", default="", help="evaluate one point (others: first legal value)")
     p.add_argument("--top", type=positive_int, default=5)
     p.add_argument("--json", action="store_true")
@@ -28,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cost_model import CostModel, hardware
     from ..cost_model.cards import preset_card
     from ..errors import UsageError
+    from ..precision import default_precision
     from ..space import format_point
     from ..units import parse_size
     from . import EXIT_OK
@@ -35,11 +35,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     budget = parse_size(args.memory_budget)
     device = hardware(args.device)
-    dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    precision = args.precision or default_precision("cpu" if args.device == "cpu" else "cuda")
     # a preset's shipped card spares loading transformers and building the model to measure it
     card = None if args.space else preset_card(args.model)
     config, layout = card or (None, None)
-    problem = problem_spec(args, dtype=dtype, memory_budget=budget).resolve(config)
+    problem = problem_spec(args, precision=precision, memory_budget=budget).resolve(config)
     workload = problem.workload
     model = CostModel(problem, device, layout=layout)
     points = [problem.plan(args.knobs)] if args.knobs else list(problem.plans())
@@ -64,12 +64,12 @@ def run(args: argparse.Namespace) -> int:
             f"{format_point(smallest['point'])}"
         )
     if args.json:
-        print(json.dumps({"model": args.model, "device": device.name, "budget": budget, "dtype": dtype,
+        print(json.dumps({"model": args.model, "device": device.name, "budget": budget, "precision": precision,
                           "points": len(points), "feasible": len(rows), "pruned": len(pruned),
                           "top": rows[: args.top], "pruned_examples": pruned[: args.top],
                           "seconds": round(elapsed, 3)}, default=str))
         return EXIT_OK
-    print(f"{args.model} on {workload.world_size} x {device.name} ({format_size(budget)} each), {dtype}, global batch "
+    print(f"{args.model} on {workload.world_size} x {device.name} ({format_size(budget)} each), {precision}, global batch "
           f"{workload.global_batch}, seq {workload.seq_len}: {len(points)} point(s), {len(rows)} fit, "
           f"{len(pruned)} pruned ({elapsed:.2f} s, template {problem.template.describe()})")
     for i, r in enumerate(rows[: args.top], 1):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..search import STRATEGIES
-from ._common import add_problem_arguments, positive_int, problem_spec
+from ._common import add_precision_argument, add_problem_arguments, positive_int, problem_spec
 
 HELP = "search for the fastest schedule that fits, running real trials"
 
@@ -17,7 +17,7 @@ HELP = "search for the fastest schedule that fits, running real trials"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p, model="gpt2-tiny", world_size=2)
     p.add_argument("--memory-budget", default="16MiB", help="per-rank memory budget (default: %(default)s)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
     p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
@@ -72,6 +72,7 @@ def _clock(seconds: float) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..models import preset_names
+    from ..precision import default_precision
     from ..search import TuneConfig, Tuner
     from ..search._cluster import connect
     from ..search._storage import check_storage, redact
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"results/{model_label}-w{args.world_size}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"output folder {out} is a file; choose another --out")
-    problem = problem_spec(args, dtype=args.dtype, device=device, memory_budget=budget).resolve()
+    precision = args.precision or default_precision(device)
+    problem = problem_spec(args, precision=precision, device=device, memory_budget=budget).resolve()
     check_storage(args.storage)  # an unusable URL fails here, before anything is started or written
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
                       args.concurrency)

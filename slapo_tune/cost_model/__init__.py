@@ -3,7 +3,7 @@
 Two fidelities of memory: *analytic* (closed-form terms, microseconds per point, for whole spaces
 and ``plan``) and *exact* (one fake step per pipeline stage, seconds per point, equal to a real
 step's tensor-level peak on CPU). The analytic weights are calibrated from exact points and cached
-per (device, family, dtype). Time is analytic (compute, overheads, communication, bubble).
+per (device, family, precision). Time is analytic (compute, overheads, communication, bubble).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class CostModel:
         self.problem, self.device = problem, device
         self.template, self.workload = problem.template, problem.workload
         self.layout = layout or _layout(problem)
-        self.dtype = self.workload.dtype
-        self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.dtype) or Calibration()
+        self.precision = self.workload.precision
+        self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.precision) or Calibration()
 
     # ------------------------------------------------------------------ memory
     def memory(self, point: Mapping[str, Any]) -> MemoryPrediction:
@@ -81,7 +81,7 @@ class CostModel:
     def calibrate(self, points: Iterable[Mapping[str, Any]], measured: Iterable[Mapping[int, int]] | None = None,
                   save: bool = True) -> Calibration:
         """Fit the analytic weights to exact-mode peaks of ``points`` (or to ``measured`` peaks per
-        stage, same order), and cache them for this device, family and dtype."""
+        stage, same order), and cache them for this device, family and precision."""
         points = list(points)
         peaks = list(measured) if measured is not None else [
             {s: b.total for s, b in self.exact(p).items()} for p in points]
@@ -95,7 +95,7 @@ class CostModel:
         fitted.time_weights, fitted.time_points = self.calibration.time_weights, self.calibration.time_points
         self.calibration = fitted
         if save:
-            _calibration.save(self.calibration, self.device.name, self.layout.family, self.dtype)
+            _calibration.save(self.calibration, self.device.name, self.layout.family, self.precision)
         return self.calibration
 
     # -------------------------------------------------------------------- time
@@ -110,7 +110,7 @@ class CostModel:
         self.calibration.time_weights = _calibration.fit_time(samples)
         self.calibration.time_points = len(samples)
         if save:
-            _calibration.save(self.calibration, self.device.name, self.layout.family, self.dtype)
+            _calibration.save(self.calibration, self.device.name, self.layout.family, self.precision)
         return self.calibration
 
     def mfu(self, step_seconds: float, world_size: int) -> float:

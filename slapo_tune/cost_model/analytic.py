@@ -303,7 +303,13 @@ from .._data_parallel import _BUCKET_BYTES as DP_BUCKET_BYTES  # noqa: E402
 
 PARAM_BYTES = 4  # parameters and gradients are fp32 (16-bit training computes under autocast)
 MOMENT_BYTES = 8  # AdamW's two fp32 moments: with them, 16 bytes of model state per parameter
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def activation_bytes(name: str) -> int:
+    """Bytes per element of the activations a precision keeps."""
+    from ..precision import precision
+
+    return precision(name).activation_bytes
 
 
 def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[int, int]:
@@ -348,7 +354,7 @@ class StageTerms:
 def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> list[StageTerms]:
     """The byte count of every memory term, per pipeline stage."""
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    b, s, B = point["micro_batch"], workload.seq_len, DTYPE_BYTES[workload.dtype]
+    b, s, B = point["micro_batch"], workload.seq_len, activation_bytes(workload.precision)
     P = PARAM_BYTES
     m = accumulation(workload, point["dp"], point["micro_batch"])
     per_stage = layout.layers // pp
@@ -564,7 +570,7 @@ def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce") -> floa
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
     """Seconds per step of each time term (before weights)."""
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    b, s, B = point["micro_batch"], workload.seq_len, DTYPE_BYTES[workload.dtype]
+    b, s, B = point["micro_batch"], workload.seq_len, activation_bytes(workload.precision)
     m = accumulation(workload, point["dp"], point["micro_batch"])
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)

@@ -159,10 +159,15 @@ class Tuner:
 
     def _check_same_study(self, study: Study) -> None:
         stored = study.user_attrs.get("context")
+        if stored is not None and "dtype" in stored:  # a study begun before precisions had names
+            from ..precision import LEGACY_DTYPES
+
+            stored = {("precision" if k == "dtype" else k): LEGACY_DTYPES.get(v, v) if k == "dtype" else v
+                      for k, v in stored.items()}
         p = self.problem.spec
         context = {"model": p.model, "overrides": p.model_overrides, "template": self.template.describe(),
                    "world_size": p.world_size, "global_batch": p.global_batch, "seq_len": p.seq_len,
-                   "dtype": p.dtype, "device": p.device, "memory_budget": p.memory_budget,
+                   "precision": p.precision, "device": p.device, "memory_budget": p.memory_budget,
                    "objective": self.config.objective}
         if stored is None:
             study.set_user_attr("context", context)

@@ -123,7 +123,7 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial) -> dict[s
     p = problem.spec
     return make_schedule(
         template={"name": problem.template.name, "version": str(problem.template.version)}, plan=plan,
-        world_size=p.world_size, global_batch=p.global_batch, seq_len=p.seq_len, dtype=p.dtype, device=p.device,
+        world_size=p.world_size, global_batch=p.global_batch, seq_len=p.seq_len, precision=p.precision, device=p.device,
         model={"name": p.model, "overrides": dict(p.model_overrides),
                "fingerprint": config_fingerprint(problem.config)},
         measured={"samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
