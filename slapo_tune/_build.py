@@ -259,12 +259,16 @@ def build(
     seed: int = 0,
     topology=None,
     zero: int = 0,
+    precision: str = "fp32",
 ) -> nn.Module:
     """The runnable model of a schedule.
 
     Validates the schedule, keeps this rank's pipeline stage (when the schedule has cuts),
-    materialises meta tensors (see :func:`materialize`), moves the model to ``device`` / ``dtype``
-    and applies sharded data parallelism (``zero=3``). Works the same on CPU (gloo) and CUDA (nccl).
+    materialises meta tensors (see :func:`materialize`), moves the model to ``device`` / ``dtype``,
+    applies sharded data parallelism (``zero`` 1-3, see :mod:`slapo_tune._data_parallel`) and the
+    ``precision``'s parameter dtype (:mod:`slapo_tune.precision`: FSDP2's mixed-precision policy
+    where sharded, :class:`~slapo_tune.precision.MasterWeights` in ``stage.master`` otherwise).
+    Works the same on CPU (gloo) and CUDA (nccl).
 
     Without a ``topology`` the model itself is returned. With one (see
     :func:`slapo_tune.topology.init_topology`) a :class:`~slapo_tune._pipeline.StageModule` is
@@ -272,11 +276,15 @@ def build(
     """
     from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
     from ._pipeline import StageInfo, StageModule, make_stage, plan_stages
+    from .precision import MasterWeights
+    from .precision import precision as precision_named
 
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build(): expected a Schedule from create_schedule(), got {type(sch).__name__}")
     if zero not in ZERO_STAGES:
-        raise ScheduleError(f"build(): zero must be one of {ZERO_STAGES} (0: replicated, 3: fully sharded), got {zero}")
+        raise ScheduleError(f"build(): zero must be one of {ZERO_STAGES} (0: replicated; 1, 2, 3: optimizer "
+                            f"state, gradients, parameters sharded), got {zero}")
+    mode = precision_named(precision)
     validate(sch)
     plan = plan_stages(sch)
     stages = plan.num_stages if plan is not None else 1
@@ -287,7 +295,10 @@ def build(
                 f"pass topology=init_topology(pp={stages}, ...)"
             )
         if zero:
-            raise ScheduleError("build(): zero=3 shards over data parallelism; pass a topology")
+            raise ScheduleError(f"build(): zero={zero} shards over data parallelism; pass a topology")
+        if mode.master:
+            raise ScheduleError(f"build(): precision {precision} keeps master weights for a training step; "
+                                "pass a topology")
     elif stages != topology.pp:
         cuts = ", ".join(f"'{plan.block_path(last)}'" for _, last in plan.stages[:-1]) if plan else "none"
         raise PipelineError(
@@ -301,13 +312,16 @@ def build(
     if topology is None:
         return model
     stage = StageModule(model, info, topology)
-    stage.__dict__["zero"] = zero
-    if zero == 3 and topology.dp > 1:
+    sharded = zero > 0 and topology.dp > 1
+    stage.__dict__["zero"] = zero if sharded else 0
+    stage.__dict__["master"] = MasterWeights(stage.parameters(), mode.param_dtype) if mode.master and not sharded \
+        else None
+    if sharded:
         if plan is not None:
             lo, hi = plan.stages[topology.pp_rank]
             blocks = [model.get_submodule(plan.block_path(i)) for i in range(lo, hi + 1)]
         else:
             found = largest_module_list(model)
             blocks = list(found[1]) if found else []
-        shard_data_parallel(stage, blocks, topology.dp_mesh())
+        shard_data_parallel(stage, blocks, topology.dp_mesh(), zero, mode.mixed_precision_policy())
     return stage

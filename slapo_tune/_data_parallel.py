@@ -1,10 +1,31 @@
-"""Data parallelism: replicated (gradients averaged after backward) or sharded (ZeRO-3 via FSDP2).
+"""Data parallelism: replicated (ZeRO level 0) or sharded over the data-parallel ranks (levels 1-3).
 
-Replication is a gradient all-reduce the runtime calls once per step, after gradient
-accumulation, instead of a ``DistributedDataParallel`` wrapper: no module paths change and it
-composes with pipeline stages and tensor parallelism unchanged. Sharding uses FSDP2
-``fully_shard`` over the data-parallel mesh dimension, per block and then at the stage root; FSDP2
-accepts the tensor-parallel local parameters as plain tensors and shards them over dp.
+Level 0 replicates the model; the runtime averages the gradients once per step, after gradient
+accumulation, instead of wrapping the model in ``DistributedDataParallel``: no module paths change
+and it composes with pipeline stages and tensor parallelism unchanged.
+
+Levels 1-3 are FSDP2 (``fully_shard``) over the data-parallel mesh dimension, which accepts the
+tensor-parallel local parameters as plain tensors and shards them over dp. At every level the
+parameters, gradients and optimizer state are sharded *between* steps (FSDP2 keeps only shards);
+the levels differ in what is whole during a step, as ZeRO's stages do:
+
+* **1** (optimizer state): one FSDP unit for the whole stage, kept gathered from forward through
+  backward. Every parameter is whole during the step and so is every gradient, until one
+  reduce-scatter at the end of the step (the runtime turns FSDP's gradient sync off for all but the
+  last micro-batch): ZeRO-1's memory, with one all-gather and one reduce-scatter per step.
+* **2** (and gradients): one unit per block, kept gathered from forward through backward
+  (``reshard_after_forward=False``); each block's gradients are reduce-scattered as soon as its
+  backward ends, every micro-batch, so no whole gradient of the model is ever alive.
+* **3** (and parameters): one unit per block, resharded after forward and gathered again for
+  backward: only the running block (and the next, prefetched) is whole.
+
+``ZeroRedundancyOptimizer`` is not used for level 1: it shards whole parameters unevenly, steps
+replicated parameters (so bf16 training would keep every fp32 master weight on every rank) and
+broadcasts each updated parameter; FSDP2 with one unit gives ZeRO-1's memory with one collective
+each way, shares the state-dict and mixed-precision path of levels 2 and 3, and lets the pipeline
+schedule handle every level alike. Under pipelining (pp > 1), torch's schedule turns gradient sync
+and resharding after backward off until the step's last backward at every level (see the README's
+cost-model section): gradients and parameters of the stage stay whole until then.
 """
 
 from __future__ import annotations
@@ -18,7 +39,7 @@ from torch.distributed import ProcessGroup
 
 from ._comm import group_size
 
-ZERO_STAGES = (0, 3)
+ZERO_STAGES = (0, 1, 2, 3)
 _BUCKET_BYTES = 32 * 2**20
 
 
@@ -56,15 +77,19 @@ def largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return None if best is None else (best[1], best[2])
 
 
-def shard_data_parallel(stage: nn.Module, blocks: Iterable[nn.Module], mesh) -> None:
-    """ZeRO-3: shard parameters, gradients and optimizer state over the dp mesh (FSDP2).
+def shard_data_parallel(stage: nn.Module, blocks: Iterable[nn.Module], mesh, level: int = 3,
+                        mp_policy=None) -> None:
+    """Shard ``stage`` over the data-parallel ``mesh`` at ZeRO ``level`` 1, 2 or 3 (FSDP2; see the
+    module docstring). ``blocks`` are the stage's repeated blocks (their own units at levels 2 and
+    3); the stage root takes what is left (embeddings, norms, head). ``mp_policy``: FSDP2's
+    ``MixedPrecisionPolicy`` (None: compute in the parameters' dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    Each block is its own unit (its parameters are gathered only while it runs), then the stage
-    root takes what is left (embeddings, norms, head).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    for block in blocks:
-        if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=mesh)
-    fully_shard(stage, mesh=mesh)
+    if level not in ZERO_STAGES[1:]:
+        raise ValueError(f"sharded data parallelism has levels 1, 2, 3; got {level}")
+    options = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if level >= 2:
+        for block in blocks:
+            if any(True for _ in block.parameters()):
+                fully_shard(block, reshard_after_forward=level == 3, **options)
+    fully_shard(stage, reshard_after_forward=level == 3, **options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,15 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:06d}"
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int, meta: dict[str, Any], keep: int = 2) -> Path:
-    """Every rank writes its shard; rank 0 then points ``latest`` at the step (all ranks call it)."""
+def save_checkpoint(root: str | os.PathLike, step: int, params: Mapping[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer, rank: int, meta: dict[str, Any], keep: int = 2) -> Path:
+    """Every rank writes its shard of ``params`` (name -> the tensor the optimizer steps: a stage's
+    parameter, or its fp32 master copy) and their optimizer state; rank 0 then points ``latest`` at
+    the step (all ranks call it)."""
     root = Path(root)
     folder = _step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
-    names = {p: name for name, p in stage.named_parameters()}
+    names = {p: name for name, p in params.items()}
     state = {
         "step": step,
         "params": {name: _local(p).detach().clone() for p, name in names.items()},
@@ -75,15 +78,15 @@ def latest_checkpoint(root: str | os.PathLike) -> Path:
     return folder
 
 
-def load_checkpoint(folder: Path, stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(folder: Path, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     rank: int) -> dict[str, Any]:
-    """Restore this rank's shard in place; returns the checkpoint's metadata."""
+    """Restore this rank's shard of ``params`` (as saved) in place; returns the checkpoint's metadata."""
     meta = json.loads((folder / "meta.json").read_text())
     try:
         state = torch.load(folder / f"rank-{rank:05d}.pt", map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UsageError(f"--resume: {folder} has no shard for rank {rank}") from None
-    params = dict(stage.named_parameters())
+    params = dict(params)
     if set(state["params"]) != set(params):
         raise UsageError(f"--resume: {folder} holds other parameters than this schedule's stage on rank {rank}")
     with torch.no_grad():

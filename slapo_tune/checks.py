@@ -22,8 +22,7 @@ def verify_point(ctx, spec: ProblemSpec, knobs: Mapping[str, Any], seed: int = 0
     set_attention(reference, plan.attn)
     batch = session.synthetic_batch(seed)
     try:
-        report = verify(session.stage, reference, batch, n_microbatches=plan.accumulation,
-                        pipeline_schedule=plan.pipeline_schedule, seed=seed)
+        report = verify(session.stage, reference, batch, step=session.step, seed=seed)
         ok, text = True, str(report)
     except VerificationError as exc:
         report, ok, text = None, False, str(exc)

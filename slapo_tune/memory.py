@@ -8,7 +8,7 @@ exact mode runs on fake tensors) cannot hide in its tests: on CUDA the caching a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -71,14 +71,17 @@ class StepMemTracker(MemTracker):
 # MemTracker's categories -> ours (parameters and buffers, optimizer state, what forward allocated,
 # what backward allocated: gradients and temporaries)
 _CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Optstate": "optimizer",
-               "Activation": "activations", "Gradient": "gradients", "Temp": "gradients"}
+               "Activation": "activations", "Gradient": "gradients", "Temp": "gradients",
+               "Other": "optimizer"}  # the only "other" tensors given are fp32 master weights
 
 
 def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  device: str | torch.device = "cpu") -> MemoryBreakdown:
+                  device: str | torch.device = "cpu", extra: Iterable[torch.Tensor] = ()) -> MemoryBreakdown:
     """Peak memory of one real step (``run_step``: gradients and the optimizer update) of a model
     whose optimizer state already exists. CUDA: the allocator's peak over the step; CPU: the
-    largest total of live tensor storages on the device, by ``MemTracker``."""
+    largest total of live tensor storages on the device, by ``MemTracker``, which sees only what
+    exists before the step if it is the stage's, the optimizer's state, or in ``extra`` (fp32
+    master weights: the optimizer's parameters, not the stage's)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -87,7 +90,7 @@ def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer
         torch.cuda.synchronize(device)
         return MemoryBreakdown(total=torch.cuda.max_memory_allocated(device))
     tracker = StepMemTracker()
-    tracker.track_external(stage, optimizer)
+    tracker.track_external(stage, optimizer, *extra)
     with tracker:
         run_step()
     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})

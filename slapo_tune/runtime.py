@@ -1,9 +1,13 @@
 """One training step for any schedule: micro-batching, accumulation, pipeline, data parallelism,
 precision.
 
-The same code path serves ``pp=1`` and ``pp>1``: every built model is a stage of a
-``torch.distributed.pipelining`` schedule (a single-stage schedule is plain gradient
-accumulation), so trials, the training job and ``verify`` all measure and run one thing.
+A single stage (``pp=1``) runs its micro-batches in a plain loop (forward, loss, backward each), so
+FSDP reduce-scatters each micro-batch's gradients as its backward ends (ZeRO levels 2 and 3) or
+once at the end of the step (level 1). Several stages run a ``torch.distributed.pipelining``
+schedule (GPipe or 1F1B), which defers FSDP's gradient sync to the step's last backward at every
+level. Either way each micro-batch's loss is divided by the micro-batch count before its backward,
+so gradients accumulate to the mean; then tied weights across stages are summed and replicated
+data parallelism averaged. Trials, the training job and ``verify`` all run this one step.
 """
 
 from __future__ import annotations
@@ -46,14 +50,14 @@ def default_loss_fn(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Ten
 
 
 class TrainStep:
-    """Compute the gradients of one optimizer step on a global batch.
+    """Compute the gradients of one optimizer step on a global batch (see the module docstring).
 
     The global batch (same on every rank) is split over data-parallel ranks, then into
-    ``n_microbatches`` micro-batches run by a GPipe or 1F1B schedule; gradients are accumulated
-    (scaled to the mean), tied weights across stages summed, and replicated data parallelism
-    averaged. ``dtype`` ``bf16`` or ``fp16`` runs forward and backward under autocast (parameters,
-    gradients and optimizer state stay fp32). Returns the mean loss over the global batch on every
-    rank. Call the optimizer after.
+    ``n_microbatches`` micro-batches. ``precision`` (:mod:`slapo_tune.precision`): ``amp-bf16``
+    runs forward and backward under autocast; ``bf16`` computes with the bf16 parameters
+    :func:`~slapo_tune._build.build` made, and the gradients the optimizer needs are the fp32
+    master gradients (``model.master``) or FSDP's fp32 shards. Returns the mean loss over the global
+    batch on every rank. Call the optimizer after.
     """
 
     def __init__(self, model: StageModule, *, n_microbatches: int = 1, schedule: str = "1f1b",
@@ -66,15 +70,21 @@ class TrainStep:
         if n_microbatches < 1:
             raise ScheduleError(f"n_microbatches must be >= 1, got {n_microbatches}")
         topo = model.topology
-        if schedule == "1f1b" and n_microbatches < topo.pp:
+        if schedule == "1f1b" and topo.pp > 1 and n_microbatches < topo.pp:
             raise ScheduleError(f"1F1B needs at least as many micro-batches as stages ({topo.pp}), got {n_microbatches}")
         self.model, self.topology = model, topo
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.precision = precision_named(precision)
+        if self.precision.master and getattr(model, "master", None) is None and not model.zero:
+            raise ScheduleError(f"precision {precision} needs the model built with it: build(..., precision=...)")
         self.loss_fn = loss_fn or default_loss_fn(model.model)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
         self._shape = None
+
+    def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # divided before backward: the gradients of the step's micro-batches add up to the mean
+        return self.loss_fn(logits, labels) / self.n_microbatches
 
     def _make_schedule(self, shape) -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -83,7 +93,7 @@ class TrainStep:
         # Shapes given up front put the stage in static mode: no metadata inference round trips
         # (and none of the data-dependent reads that a shape-only dry run cannot answer).
         config = self.model.model.config
-        dtype = next(self.model.parameters()).dtype
+        dtype = self.precision.param_dtype  # what crosses stages (FSDP's shards stay fp32)
         batch, seq = shape
         hidden = torch.empty(batch, seq, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
@@ -92,7 +102,8 @@ class TrainStep:
                               input_args=(ids if info.is_first else hidden,),
                               output_args=(logits if info.is_last else hidden,),
                               group=self.topology.pp_group)
-        self._schedule = _schedule_class(self.schedule_name)(stage, self.n_microbatches, loss_fn=self.loss_fn)
+        self._schedule = _schedule_class(self.schedule_name)(stage, self.n_microbatches, loss_fn=self._scaled_loss,
+                                                             scale_grads=False)
         self._shape = shape
 
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,23 +125,21 @@ class TrainStep:
     def run(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """As calling the step, but the loss stays a one-element tensor (no host synchronisation)."""
         ids, labels = self.local_batch(batch)
-        shape = (ids.shape[0] // self.n_microbatches, *ids.shape[1:])
-        if shape != self._shape:  # stages record shapes on their first step
-            self._make_schedule(shape)
-        info, topo = self.model.info, self.topology
+        topo = self.topology
         self.model.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        # return_outputs=False: merging every micro-batch's logits would keep them all alive
-        with self._precision():
-            if info.is_first:
-                self._schedule.step(ids, target=labels if info.is_last else None,
-                                    losses=losses if info.is_last else None, return_outputs=False)
-            elif info.is_last:
-                self._schedule.step(target=labels, losses=losses, return_outputs=False)
+        if self.model.master is not None:
+            self.model.master.zero_grad()
+        losses: list[torch.Tensor] = []  # each micro-batch's loss over the micro-batch count
+        with self.compute_context():
+            if topo.pp == 1:
+                self._accumulate(ids, labels, losses)
             else:
-                self._schedule.step(return_outputs=False)
+                self._pipeline(ids, labels, losses)
         self._sync_gradients()
-        loss = torch.stack([t.detach().float() for t in losses]).mean() if losses else torch.zeros((), device=self.device)
+        if losses:
+            loss = torch.stack([t.detach().float() for t in losses]).sum()
+        else:
+            loss = torch.zeros((), device=self.device)
         loss = loss.reshape(1).to(self.device)
         if topo.pp > 1:
             dist.broadcast(loss, src=topo.pp_global_ranks[-1], group=topo.pp_sync_group)
@@ -139,17 +148,58 @@ class TrainStep:
             loss /= topo.dp
         return loss
 
-    def _precision(self):
+    def _accumulate(self, ids: torch.Tensor, labels: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        """One stage: forward, loss and backward per micro-batch. ZeRO-1 keeps its one unit gathered
+        and its gradients whole until the last micro-batch (one reduce-scatter per step); levels 2
+        and 3 reduce-scatter every micro-batch's gradients block by block."""
+        n = self.n_microbatches
+        for i, (x, y) in enumerate(zip(ids.chunk(n), labels.chunk(n), strict=True)):
+            if self.model.zero == 1:
+                last = i == n - 1
+                self.model.set_requires_gradient_sync(last)
+                self.model.set_reshard_after_backward(last)
+            loss = self._scaled_loss(self.model(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+
+    def _pipeline(self, ids: torch.Tensor, labels: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        shape = (ids.shape[0] // self.n_microbatches, *ids.shape[1:])
+        if shape != self._shape:  # stages record shapes on their first step
+            self._make_schedule(shape)
+        info = self.model.info
+        # return_outputs=False: merging every micro-batch's logits would keep them all alive
+        if info.is_first:
+            self._schedule.step(ids, target=labels if info.is_last else None,
+                                losses=losses if info.is_last else None, return_outputs=False)
+        elif info.is_last:
+            self._schedule.step(target=labels, losses=losses, return_outputs=False)
+        else:
+            self._schedule.step(return_outputs=False)
+
+    def compute_context(self):
+        """Autocast to the precision's compute dtype, or nothing.
+
+        Autocast's cache of cast weights is off under sharded data parallelism: FSDP gathers a
+        parameter again for each micro-batch, and a cast cached from the first would link later
+        micro-batches' gradients to a gathered parameter FSDP has already reduced (measured: a
+        q_proj gradient 66 % off at zero=3 with two micro-batches); it would also keep a 16-bit
+        copy of every gathered parameter for the whole step."""
         if self.precision.autocast is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.precision.autocast)
+        return torch.autocast(self.device.type, dtype=self.precision.autocast, cache_enabled=not self.model.zero)
+
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the optimizer steps ``param`` with (its fp32 master's under bf16)."""
+        master = self.model.master
+        return master.master(param).grad if master is not None else param.grad
 
     def _sync_gradients(self) -> None:
         topo, info = self.topology, self.model.info
         if topo.pp > 1 and info.tied:
             for name in info.tied:
-                grad = self.model.model.get_parameter(name).grad
+                grad = self.gradient(self.model.model.get_parameter(name))
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 dist.all_reduce(local, group=topo.tie_group)
         if topo.dp > 1 and self.model.zero == 0:
-            average_gradients(self.model.parameters(), topo.dp_group)
+            params = self.model.master.parameters() if self.model.master is not None else self.model.parameters()
+            average_gradients(params, topo.dp_group)

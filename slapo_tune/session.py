@@ -2,7 +2,7 @@
 
 A :class:`Session` builds the model on the meta device, schedules it with the problem's template,
 keeps this rank's pipeline stage, materialises it, and owns everything a step needs: the device,
-the precision (``bf16``/``fp16`` under autocast), the optimizer, the
+the precision (:mod:`slapo_tune.precision`), the optimizer, the
 :class:`~slapo_tune.runtime.TrainStep` (micro-batching, pipeline, gradient synchronisation), step
 timing, the measured peak memory and checkpoints. Trials, the cost model's measurements and exact
 mode, ``verify`` and ``slapo-tune train`` all run their steps through it, so a schedule trains
@@ -66,10 +66,19 @@ class Session:
         if model is None:
             model = problem.model.build("meta")
         schedule = problem.template.schedule(model, plan, self.topology)
-        self.stage = build(schedule, topology=self.topology, zero=plan.zero, seed=seed, device=device)
+        precision = problem.workload.precision
+        self.stage = build(schedule, topology=self.topology, zero=plan.zero, seed=seed, device=device,
+                           precision=precision)
         self.step = TrainStep(self.stage, n_microbatches=plan.accumulation, schedule=plan.pipeline_schedule,
-                              precision=problem.workload.precision)
-        self.optimizer = default_optimizer(self.stage.parameters(), **({} if lr is None else {"lr": lr}))
+                              precision=precision)
+        self.optimizer = default_optimizer(self.trained_parameters().values(),
+                                           **({} if lr is None else {"lr": lr}))
+
+    def trained_parameters(self) -> dict[str, torch.Tensor]:
+        """The tensors the optimizer steps, by the stage's parameter names: the parameters themselves,
+        or their fp32 master copies (``bf16`` precision on replicated parameters)."""
+        master = self.stage.master
+        return {name: master.master(p) if master is not None else p for name, p in self.stage.named_parameters()}
 
     @property
     def accumulation(self) -> int:
@@ -92,6 +101,8 @@ class Session:
         loss = self.step.run(batch)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.stage.master is not None:
+            self.stage.master.publish()
         return loss
 
     def timed_step(self, batch: Mapping[str, torch.Tensor]) -> tuple[float, float, float]:
@@ -108,8 +119,9 @@ class Session:
         """(peak, loss) of one step measured by :func:`slapo_tune.memory.measured_peak`; call after
         a first step (it creates the optimizer state)."""
         losses: list[torch.Tensor] = []
+        master = self.stage.master
         peak = measured_peak(lambda: losses.append(self.train_step(batch)), self.stage, self.optimizer,
-                             self.device)
+                             self.device, extra=list(master.parameters()) if master is not None else ())
         return peak, float(losses[0])
 
     def measure(self, batch: Mapping[str, torch.Tensor], *, warmup_steps: int = 1, timed_steps: int = 3,
@@ -155,8 +167,12 @@ class Session:
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: str | Path, step: int, meta: dict[str, Any], keep: int = 2) -> Path:
         """This rank's shard of a checkpoint (every rank calls it; see :mod:`slapo_tune.checkpoint`)."""
-        return checkpoint.save_checkpoint(root, step, self.stage, self.optimizer, dist.get_rank(), meta, keep)
+        return checkpoint.save_checkpoint(root, step, self.trained_parameters(), self.optimizer, dist.get_rank(),
+                                          meta, keep)
 
     def restore(self, folder: Path) -> dict[str, Any]:
         """Load this rank's shard of a checkpoint in place; returns the checkpoint's metadata."""
-        return checkpoint.load_checkpoint(folder, self.stage, self.optimizer, dist.get_rank())
+        meta = checkpoint.load_checkpoint(folder, self.trained_parameters(), self.optimizer, dist.get_rank())
+        if self.stage.master is not None:
+            self.stage.master.publish()
+        return meta

@@ -141,8 +141,9 @@ class Template:
             Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)"),
             Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides the layers and world/tp)"),
             Knob("dp", derive=lambda p: world // (p["tp"] * p["pp"]), doc="data-parallel degree = world/(tp*pp)"),
-            Knob("zero", lambda p: [0, 3] if p["dp"] > 1 else [0], ("tp", "pp"),
-                 doc="0: replicated data parallelism; 3: fully sharded (FSDP2)"),
+            Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp"),
+                 doc="ZeRO level over dp: 0 replicated; 1 optimizer state, 2 also gradients, 3 also "
+                     "parameters sharded (FSDP2)"),
             Knob("micro_batch", micro_batch_choices, ("tp", "pp"), doc="micro-batch size (divides global/dp)"),
             Knob("ckpt_ratio", _distinct_ratios(info.layers), kind=float,
                  doc=f"fraction of blocks checkpointed, spread {CKPT_POLICY}ly"),

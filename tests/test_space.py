@@ -58,7 +58,7 @@ def test_domains_depend_on_earlier_knobs():
     assert space.legal_values("pp", {"tp": 4}) == [1]
     assert space.legal_values("pp", {"tp": 1}) == [1, 2, 4]
     dp2 = {"tp": 2, "pp": 1, "dp": 2}
-    assert space.legal_values("zero", dp2) == [0, 3]
+    assert space.legal_values("zero", dp2) == [0, 1, 2, 3]
     assert space.legal_values("micro_batch", {**dp2, "zero": 0}) == [1, 2, 4]  # divisors of 8 / dp
     pipe = {"tp": 1, "pp": 4, "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.0}
     assert space.legal_values("pipeline_schedule", pipe) == ["gpipe"]  # 2 micro-batches < 4 stages

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_problem_arguments, problem_spec
+from ._common import add_precision_argument, add_problem_arguments, problem_spec
 
 HELP = "check one schedule point against the unscheduled model on local ranks"
 
@@ -12,6 +12,7 @@ HELP = "check one schedule point against the unscheduled model on local ranks"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p, global_batch=8)
     p.add_argument("--knobs", default="", help="e.g. tp=2,pp=2,ckpt_ratio=0.5 (others: first legal value)")
+    add_precision_argument(p, "fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
 
@@ -21,10 +22,10 @@ def run(args: argparse.Namespace) -> int:
     from ..launch import launch
     from . import EXIT_FAILED, EXIT_OK
 
-    problem = problem_spec(args).resolve()
+    problem = problem_spec(args, precision=args.precision or "fp32").resolve()
     plan = problem.plan(args.knobs or "")
-    print(f"verifying {args.model} with template {problem.template.describe()} on {args.world_size} rank(s): "
-          f"{','.join(f'{k}={v}' for k, v in plan.items())}")
+    print(f"verifying {args.model} with template {problem.template.describe()} on {args.world_size} rank(s), "
+          f"{problem.workload.precision}: {','.join(f'{k}={v}' for k, v in plan.items())}")
     results = launch(verify_point, args.world_size, args=(problem.spec, plan.knobs(), args.seed),
                      timeout=args.timeout)
     ok = all(r["ok"] for r in results)

@@ -15,16 +15,16 @@ import torch
 from ..memory import MemoryBreakdown
 
 
-def tracked_step(step, stage: torch.nn.Module, optimizer, batch) -> MemoryBreakdown:
-    """Peak tensor memory of one step (gradients, then the optimizer update) of a model whose
-    optimizer state already exists (call after a first, untracked step). ``step`` is a
-    :class:`~slapo_tune.runtime.TrainStep`."""
+def tracked_step(session, batch) -> MemoryBreakdown:
+    """Peak tensor memory of one training step of a :class:`~slapo_tune.session.Session` whose
+    optimizer state already exists (call after a first, untracked step)."""
     tracker = PeakTracker()
-    tracker.track(stage, optimizer)
+    tracker.track(session.stage, session.optimizer)
+    if session.stage.master is not None:  # the optimizer's parameters are not the stage's
+        for master in session.stage.master.parameters():
+            tracker._add(master, "optimizer")
     with tracker:
-        step.run(batch)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        session.train_step(batch)
     return tracker.breakdown()
 
 

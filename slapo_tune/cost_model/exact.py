@@ -195,7 +195,7 @@ def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int
                 # the whole global batch is alive in a real step, even if fewer micro-batches run
                 batch = {k: v[:run_workload.global_batch] for k, v in session.synthetic_batch().items()}
                 session.train_step(batch)  # the first step creates the optimizer state
-                results[stage] = tracked_step(session.step, session.stage, session.optimizer, batch)
+                results[stage] = tracked_step(session, batch)
         finally:
             dist.destroy_process_group()
     return results
