@@ -275,7 +275,7 @@ def build(
     returned, which :class:`slapo_tune.runtime.TrainStep` runs with micro-batching for any ``pp``.
     """
     from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
-    from ._pipeline import StageInfo, StageModule, make_stage, plan_stages
+    from ._pipeline import StageInfo, StageModule, make_stage, plan_stages, set_compute_dtype
     from .precision import MasterWeights
     from .precision import precision as precision_named
 
@@ -309,6 +309,7 @@ def build(
     materialize(model, seed=seed, device=device)
     if device is not None or dtype is not None:
         model.to(device=device, dtype=dtype)
+    set_compute_dtype(model, mode.param_dtype if dtype is None else dtype)
     if topology is None:
         return model
     stage = StageModule(model, info, topology)

@@ -228,6 +228,15 @@ def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
 
 
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make the stand-ins for earlier stages' modules produce ``dtype`` where they produced floats:
+    a model whose parameters compute in bf16 embeds into bf16, and what the model derives from the
+    embedding's dtype (rotary tables, masks) must follow on every stage."""
+    for module in model.modules():
+        if isinstance(module, _ZerosStub) and module.dtype.is_floating_point:
+            module.dtype = dtype
+
+
 def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
     """Keep only stage ``index`` of ``model`` (in place) and describe it."""
     calls = _dry_run(model)

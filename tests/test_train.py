@@ -120,6 +120,50 @@ def test_a_bf16_schedule_trains_under_autocast(tmp_path, no_leftover_children):
     assert abs(runs["amp-bf16"][1] - runs["fp32"][1]) > tolerance
 
 
+def _bf16_master_losses(preset: str, global_batch: int, seq_len: int, steps: int, lr: float = 1e-4) -> list[float]:
+    """The unscheduled model trained by hand the way bf16 training keeps its weights: a bf16 copy
+    computes, an fp32 copy is what AdamW steps, and the bf16 copy is rounded from it after each step."""
+    master = st.build(st.create_schedule(st.build_model(preset)), seed=0)
+    model = st.build(st.create_schedule(st.build_model(preset)), seed=0).to(torch.bfloat16)
+    master.train()
+    model.train()
+    optimizer = torch.optim.AdamW(master.parameters(), lr=lr)
+    data = TrainingData("synthetic", model.config.vocab_size, global_batch, seq_len, seed=0)
+    losses = []
+    for step in range(steps):
+        loss = model(**data.batch(step)).loss
+        loss.backward()
+        for low, high in zip(model.parameters(), master.parameters(), strict=True):
+            high.grad = low.grad.float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for low, high in zip(model.parameters(), master.parameters(), strict=True):
+                low.copy_(high)
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_bf16_parameter_schedule_trains_with_fp32_masters_and_resumes(tmp_path, no_leftover_children):
+    """bf16 parameters, fp32 master weights: the losses follow the hand-written bf16/fp32-master loop,
+    not the autocast one; a job resumed from a checkpoint continues the same curve (the masters are
+    saved, not the rounded bf16 weights)."""
+    path = _schedule(tmp_path / "bf16.json", "opt-tiny", precision="bf16", micro_batch=8)
+    whole = _cli("train", "--schedule", str(path), "--steps", "5", "--lr", "1e-3")
+    assert whole.returncode == 0, whole.stderr
+    losses = _losses(whole.stdout)
+    reference = _bf16_master_losses("opt-tiny", 8, 32, 5, lr=1e-3)
+    assert [losses[s] for s in range(1, 6)] == pytest.approx(reference, abs=2e-5)
+    autocast = _reference_losses("opt-tiny", 8, 32, 5, autocast=torch.bfloat16)
+    assert abs(losses[5] - autocast[4]) > 2e-5  # a different precision from amp-bf16
+    first = _cli("train", "--schedule", str(path), "--steps", "3", "--lr", "1e-3", "--save", str(tmp_path / "c"))
+    assert first.returncode == 0, first.stderr
+    resumed = _cli("train", "--schedule", str(path), "--steps", "5", "--lr", "1e-3", "--resume", str(tmp_path / "c"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert _losses(resumed.stdout) == {4: losses[4], 5: losses[5]}
+
+
 def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
     schedule = _schedule(tmp_path / "s.json", dp=2, zero=3, ckpt_ratio=0.5)  # sharded params and optimizer
     started = time.monotonic()

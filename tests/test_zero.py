@@ -1,0 +1,77 @@
+"""ZeRO levels 0-3 and bf16 master weights: what each keeps alive, measured on real steps.
+
+The measured side is torch's MemTracker on real CPU steps (gloo, four ranks), a tool neither the
+runtime nor exact mode uses to decide anything; the closed forms are written out here from the
+model's parameter count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slapo_tune.cost_model import CostModel, hardware
+from slapo_tune.cost_model.measure import measure_points_rank
+from slapo_tune.launch import launch
+from slapo_tune.precision import MasterWeights
+from slapo_tune.problem import ProblemSpec
+
+WORLD = 4
+
+
+def _spec(precision: str) -> ProblemSpec:
+    # hidden 256 so that model states are a good part of the peak, as in real models
+    return ProblemSpec("gpt2-tiny", WORLD, model_overrides={"n_embd": 256}, global_batch=8, seq_len=16,
+                       precision=precision)
+
+
+@pytest.fixture(scope="module")
+def zero_steps() -> dict[str, list[tuple[dict, list[dict]]]]:
+    """precision -> (point, each rank's measured step) for zero 0, 1, 2, 3 over dp=4 (one launch)."""
+    specs = {p: _spec(p) for p in ("fp32", "bf16")}
+    points = {p: [s.resolve().plan({"tp": 1, "pp": 1, "zero": z, "micro_batch": 1}).knobs() for z in range(4)]
+              for p, s in specs.items()}
+    out = {}
+    for precision, spec in specs.items():
+        per_rank = launch(measure_points_rank, WORLD, args=(spec, points[precision], 1, 1), timeout=900)
+        out[precision] = [(point, [ranks[i] for ranks in per_rank]) for i, point in enumerate(points[precision])]
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_each_zero_level_keeps_less_and_exact_mode_predicts_it(zero_steps, precision):
+    """dp=4, two micro-batches per rank: every level below the previous one, and exact mode (a fake
+    step) within 3 % of each measured peak."""
+    problem = _spec(precision).resolve()
+    model = CostModel(problem, hardware("cpu"))
+    peaks = []
+    for point, ranks in zero_steps[precision]:
+        measured = max(r["total"] for r in ranks)
+        predicted = model.exact(point)[0].total
+        assert abs(predicted - measured) <= 0.03 * measured, (point["zero"], predicted, measured)
+        peaks.append(measured)
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+
+
+def test_master_weights_accumulate_in_fp32_and_publish_bf16():
+    """bf16 parameters with fp32 masters: two backward passes add up in the master's fp32 gradient
+    (the bf16 one is freed as soon as it is made), and publishing rounds the masters into the model."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    fp32 = torch.nn.Linear(8, 4)
+    fp32.load_state_dict(layer.state_dict())
+    masters = MasterWeights(layer.parameters())
+    assert layer.weight.dtype == torch.bfloat16 and {m.dtype for m in masters.parameters()} == {torch.float32}
+    assert torch.equal(masters.master(layer.weight), fp32.weight)  # the fp32 values, not rounded ones
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        layer(x.bfloat16()).float().sum().backward()
+        fp32(x).sum().backward()
+    assert layer.weight.grad is None
+    grad = masters.master(layer.weight).grad
+    assert grad.dtype == torch.float32
+    torch.testing.assert_close(grad, fp32.weight.grad, rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        masters.master(layer.weight).add_(1.0)
+    masters.publish()
+    assert torch.equal(layer.weight, (fp32.weight + 1.0).bfloat16())
