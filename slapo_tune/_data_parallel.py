@@ -92,4 +92,6 @@ def shard_data_parallel(stage: nn.Module, blocks: Iterable[nn.Module], mesh, lev
         for block in blocks:
             if any(True for _ in block.parameters()):
                 fully_shard(block, reshard_after_forward=level == 3, **options)
-    fully_shard(stage, reshard_after_forward=level == 3, **options)
+    # the root (embeddings, final norm, head) stays gathered from forward to backward at every level:
+    # backward starts with the head, so resharding it after forward would only gather it again
+    fully_shard(stage, reshard_after_forward=False, **options)

@@ -33,7 +33,8 @@ def zero_steps() -> dict[str, list[tuple[dict, list[dict]]]]:
               for p, s in specs.items()}
     out = {}
     for precision, spec in specs.items():
-        per_rank = launch(measure_points_rank, WORLD, args=(spec, points[precision], 1, 1), timeout=900)
+        # no timed steps: a warm-up step (it creates the optimizer state), then the tracked one
+        per_rank = launch(measure_points_rank, WORLD, args=(spec, points[precision], 0, 1), timeout=900)
         out[precision] = [(point, [ranks[i] for ranks in per_rank]) for i, point in enumerate(points[precision])]
     return out
 
@@ -51,6 +52,26 @@ def test_each_zero_level_keeps_less_and_exact_mode_predicts_it(zero_steps, preci
         assert abs(predicted - measured) <= 0.03 * measured, (point["zero"], predicted, measured)
         peaks.append(measured)
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+
+
+def test_each_level_gathers_and_reduces_as_often_as_zero_says():
+    """dp=2, two micro-batches per rank, gpt2-tiny (4 blocks + the root: 5 units at levels 2-3).
+    Level 1 keeps its one unit gathered and its gradients whole across the micro-batches: one
+    all-gather and one reduce-scatter per step. Level 2 gathers each unit once per micro-batch and
+    reduce-scatters each micro-batch's gradients; level 3 also gathers every block again for its
+    backward (the root stays gathered)."""
+    from _zero_workers import count_collectives
+
+    spec = ProblemSpec("gpt2-tiny", 2, global_batch=8, seq_len=16)
+    problem = spec.resolve()
+    points = [problem.plan({"tp": 1, "pp": 1, "zero": z, "micro_batch": 2}).knobs() for z in (1, 2, 3)]
+    assert problem.plan(points[0]).accumulation == 2
+    per_rank = launch(count_collectives, 2, args=(spec, points), timeout=600)
+    micro_batches, units, blocks = 2, 5, 4
+    expected = [{"all_gather": 1, "reduce_scatter": 1},
+                {"all_gather": micro_batches * units, "reduce_scatter": micro_batches * units},
+                {"all_gather": micro_batches * (units + blocks), "reduce_scatter": micro_batches * units}]
+    assert per_rank == [expected, expected]
 
 
 def test_master_weights_accumulate_in_fp32_and_publish_bf16():
