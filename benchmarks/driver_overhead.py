@@ -46,8 +46,9 @@ def driver_seconds_per_trial(strategy: str, trials: int, out: Path) -> dict:
     from slapo_tune.problem import ProblemSpec
     from slapo_tune.search import TuneConfig, Tuner
 
-    problem = ProblemSpec("llama-7b", 64, precision="bf16", device="a100-80gb", memory_budget=80 * 2**30)
-    config = TuneConfig(problem, out=out, trials=trials, strategy=strategy, prune="analytic", seed=0)
+    problem = ProblemSpec("llama-7b", 64, precision="bf16", device="cuda", memory_budget=80 * 2**30)
+    config = TuneConfig(problem, out=out, trials=trials, strategy=strategy, prune="analytic", seed=0,
+                        hardware="a100-80gb")
     tuner = Tuner(config, InstantRunner())
     started = time.perf_counter()
     summary = tuner.run()

@@ -1,51 +1,66 @@
-"""The GPU check: numerics, memory-model accuracy and a small tuning run on one CUDA device.
+"""The GPU check: numerics, memory-model accuracy per precision, and the command line end to end
+with its defaults, on one CUDA device.
 
-Needs only torch and transformers (no Ray, no Optuna, no network); run from the repository root
-with ``bash benchmarks/gpu_check.sh`` (sized for under 8 minutes on one GPU). Three parts:
+Needs torch and transformers, and Optuna for the tuning run: ``bash benchmarks/gpu_check.sh``
+installs Optuna from wheels carried in ``.whl/`` when it is missing (``python -m
+benchmarks.gpu_wheels`` puts them there; nothing is downloaded on the GPU machine, no Ray, no
+network). Run from the repository root; sized for under 8 minutes on one GPU. Three parts, run in
+the order 1, 3, 2 (the command line first), and one JSON summary, rewritten after each part so
+that a run stopped by its time limit keeps what it did:
 
 1. every template's tiny preset, scheduled (checkpointing, fusion, SDPA), against the unscheduled
-   model on CUDA at world 1: loss, outputs and gradients (``verify``);
-2. predicted vs measured peak memory (``torch.cuda.max_memory_allocated``) of real steps of a
-   GPT-2 (124M) in bf16: exact mode (fake step) and the analytic model;
-3. micro-batch x checkpointing x attention kernel for a ~350M GPT-2 (gpt2-medium) in bf16 under a
-   real memory budget: points ranked by the cost model, the best few trained for real; the tuned
-   throughput and MFU next to the untuned default (micro-batch 1, full checkpointing).
+   model at world 1: loss, outputs and gradients (``verify``);
+2. predicted vs measured peak memory (``torch.cuda.max_memory_allocated``; on CPU ``MemTracker``)
+   of real steps of a GPT-2 (124M) at world 1 in each precision (fp32, amp-bf16, bf16): exact mode
+   (fake step) and the analytic model;
+3. ``slapo-tune tune --ray-address none`` with its defaults (device cuda, precision bf16 there, the
+   hardware detected from the GPU, the budget its memory less the reserve) on a ~350M GPT-2
+   (gpt2-medium) for a few trials, then ``slapo-tune train`` on the exported ``best_schedule.json``
+   for a few steps; the tuned throughput and its MFU.
+
+``--device cpu --smoke`` runs the same path on CPU with gpt2-tiny, one memory point and one trial
+(under a minute on 2 idle cores; a test runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from slapo_tune.problem import Problem
+from functools import partial
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 GiB = 2**30
-DEVICE = "cuda"
+PRECISIONS = ("fp32", "amp-bf16", "bf16")
+# the memory comparison's points (GPT-2 124M at world 1, global batch 16, seq 512); --smoke takes the first
+MEMORY_POINTS = ({"micro_batch": 4, "ckpt_ratio": 0.0, "attn": "sdpa"}, {"micro_batch": 8, "ckpt_ratio": 0.5, "attn": "sdpa"},
+                 {"micro_batch": 2, "ckpt_ratio": 1.0, "attn": "eager"}, {"micro_batch": 16, "ckpt_ratio": 1.0, "attn": "sdpa"})
 
 
-def check_numerics() -> list[dict]:
+def check_numerics(device: str, presets=("gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny")) -> list[dict]:
     import slapo_tune as st
     from slapo_tune.problem import ProblemSpec
 
     out = []
-    for preset in ("gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"):
+    for preset in presets:
         problem = ProblemSpec(preset, 1).resolve()
         config, template = problem.config, problem.template
         point = {"tp": 1, "pp": 1, "ckpt_ratio": 0.5, "attn": "sdpa" if preset != "bert-tiny" else "eager",
                  "fuse": "on" if template.has_fusion else "off"}
         reference = st.build_model(preset)  # meta: verify gives it the scheduled model's initial weights
-        model = st.build(template.schedule(st.build_model(preset), point), device=DEVICE, seed=0)
+        model = st.build(template.schedule(st.build_model(preset), point), device=device, seed=0)
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, config.vocab_size, (4, 64), generator=g).to(DEVICE)
+        ids = torch.randint(3, config.vocab_size, (4, 64), generator=g).to(device)
         report = st.verify(model, reference, {"input_ids": ids, "labels": ids}, raise_on_failure=False)
         out.append({"preset": preset, "point": point, "ok": str(report).startswith("verify: OK"),
                     "report": str(report).splitlines()[0]})
@@ -53,100 +68,162 @@ def check_numerics() -> list[dict]:
     return out
 
 
-def _problem(model: str, global_batch: int, seq: int, budget: int) -> Problem:
-    """One model on this CUDA device at world 1 in bf16 under ``budget`` bytes (resolved)."""
+def _problem(model: str, global_batch: int, seq: int, precision: str, device: str):
+    """One model at world 1 on ``device`` in ``precision`` (resolved)."""
     from slapo_tune.problem import ProblemSpec
 
-    return ProblemSpec(model, 1, global_batch=global_batch, seq_len=seq, precision="bf16", device=DEVICE,
-                       memory_budget=budget).resolve()
+    return ProblemSpec(model, 1, global_batch=global_batch, seq_len=seq, precision=precision, device=device).resolve()
 
 
-def _trial(problem: Problem, knobs: dict, steps: int = 3):
-    from runners import run_trial
-    from runners.trial import TrialSpec
+def memory_rank(ctx, cases: list) -> list[dict]:
+    """Rank function: the measured peak of one real step of each (problem spec, point), one after
+    the other in this process (a trial each would start a process per point)."""
+    from slapo_tune.cost_model.measure import measure_point_rank
 
-    spec = TrialSpec(problem.spec, knobs, warmup_steps=1, measured_steps=steps, time_limit=240, name="gpu-check")
-    return run_trial(spec)
+    out = []
+    for spec, point in cases:
+        measured = measure_point_rank(ctx, spec, point, timed_steps=0, warmup_steps=1, tracked_steps=1)
+        out.append({"total": measured["total"], "reserved": measured.get("reserved", 0)})
+        gc.collect()  # the last point's model and optimizer state, before the next is measured
+        if torch.device(ctx.device).type == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
-def check_memory(budget: int) -> list[dict]:
-    from slapo_tune.cost_model import CostModel, hardware
+def check_memory(setup, hw, model: str, global_batch: int, seq: int, points) -> list[dict]:
+    """Predicted (exact mode, analytic) vs measured peak per precision at world 1."""
+    from slapo_tune.cost_model import CostModel
+    from slapo_tune.launch import launch
 
-    problem = _problem("gpt2", 16, 512, budget)
-    space = problem.space
-    cost = CostModel(problem, hardware("h200"))
+    cases, predicted = [], []
+    for precision in PRECISIONS:
+        problem = _problem(model, global_batch, seq, precision, setup.kind)
+        cost = CostModel(problem, hw)
+        for knobs in points:
+            point = problem.space.complete({"tp": 1, "pp": 1, **knobs})
+            cases.append((problem.spec, point))
+            predicted.append((precision, knobs, max(b.total for b in cost.exact(point).values()),
+                              cost.memory(point).peak))
+    measured = launch(memory_rank, 1, args=(cases,), timeout=400, backend=setup.backend)[0]
     rows = []
-    for knobs in ({"micro_batch": 4, "ckpt_ratio": 0.0, "attn": "sdpa"}, {"micro_batch": 8, "ckpt_ratio": 0.5, "attn": "sdpa"},
-                  {"micro_batch": 2, "ckpt_ratio": 1.0, "attn": "eager"}, {"micro_batch": 16, "ckpt_ratio": 1.0, "attn": "sdpa"}):
-        point = space.complete({"tp": 1, "pp": 1, **knobs})
-        result = _trial(problem, point)
-        measured = max(result.peak_memory) if result.peak_memory else None
-        exact = max(b.total for b in cost.exact(point).values())
-        analytic = cost.memory(point).peak
-        row = {"point": point, "status": result.status, "measured": measured, "exact": exact, "analytic": analytic}
-        if measured:
-            row["exact_error"], row["analytic_error"] = exact / measured - 1, analytic / measured - 1
+    for (precision, knobs, exact, analytic), m in zip(predicted, measured):
+        row = {"precision": precision, "point": knobs, "measured": m["total"], "reserved": m["reserved"],
+               "exact": exact, "analytic": analytic,
+               "exact_error": exact / m["total"] - 1, "analytic_error": analytic / m["total"] - 1}
         rows.append(row)
-        print(f"memory {knobs}: measured {measured and measured / GiB:.2f} GiB, exact {exact / GiB:.2f}, "
-              f"analytic {analytic / GiB:.2f} ({result.status})", flush=True)
+        print(f"memory {precision} {knobs}: measured {m['total'] / GiB:.3f} GiB (reserved {m['reserved'] / GiB:.3f}), "
+              f"exact {exact / GiB:.3f} ({row['exact_error']:+.1%}), analytic {analytic / GiB:.3f} "
+              f"({row['analytic_error']:+.1%})", flush=True)
     return rows
 
 
-def tune_350m(budget: int, tries: int) -> dict:
-    from slapo_tune.cost_model import CostModel, hardware
+def _cli(argv: list[str], timeout: float) -> tuple[int, str, str, float]:
+    """``slapo-tune ARGV`` as a user runs it: (exit code, stdout, stderr, seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "slapo_tune.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0
 
-    problem = _problem("gpt2-medium", 32, 1024, budget)
-    space, workload = problem.space, problem.workload
-    cost = CostModel(problem, hardware("h200", memory=budget))
-    candidates = [p for p in space.enumerate({"tp": 1, "pp": 1}) if cost.verdict(p, budget).fits]
-    ranked = sorted(candidates, key=lambda p: -cost.time(p).throughput(workload))
-    default = space.complete({"tp": 1, "pp": 1, "micro_batch": 1, "ckpt_ratio": 1.0})
-    tried = []
-    for point in [default, *[p for p in ranked if p != default][:tries]]:
-        result = _trial(problem, point)
-        step = min(result.step_times) if result.step_times else None
-        mfu = cost.mfu(step, 1) if step else None
-        tried.append({"point": point, "status": result.status, "samples_per_s": result.samples_per_s,
-                      "mfu": mfu, "peak": max(result.peak_memory) if result.peak_memory else None})
-        print(f"tune {point}: {result.status} {result.samples_per_s or 0:.1f} samples/s"
-              + (f", MFU {mfu:.1%}" if mfu else ""), flush=True)
-    ok = [t for t in tried[1:] if t["status"] == "ok"]
-    best = max(ok, key=lambda t: t["samples_per_s"]) if ok else None
-    base = tried[0]
-    return {"default": base, "best": best, "tried": tried, "candidates": len(candidates),
-            "speedup": best["samples_per_s"] / base["samples_per_s"] if best and base["samples_per_s"] else None}
+
+def _tail(text: str, lines: int = 8) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def cli_end_to_end(work: Path, model: str, trials: int, steps: int, device_args: list[str],
+                   tune_args: list[str]) -> dict:
+    """``slapo-tune tune --ray-address none`` with its defaults (but ``device_args`` and
+    ``tune_args``), then ``slapo-tune train`` (with ``device_args``) on the schedule it exported."""
+    from slapo_tune.apply import load_schedule
+    from slapo_tune.cost_model import CostModel, hardware_for
+    from slapo_tune.device import device_setup
+
+    out = work / "tune"
+    tune_argv = ["tune", "--ray-address", "none", "--model", model, "--world-size", "1", "--trials", str(trials),
+                 "--out", str(out), *device_args, *tune_args]
+    code, stdout, stderr, seconds = _cli(tune_argv, timeout=300)
+    banner = next((line for line in stderr.splitlines() if line.startswith("slapo-tune: ")), "")
+    tune = {"argv": tune_argv, "returncode": code, "seconds": seconds, "banner": banner, "stdout": _tail(stdout),
+            "stderr": _tail(stderr) if code else ""}
+    print(f"tune: exit {code} in {seconds:.0f} s; {banner}", flush=True)
+    schedule = out / "best_schedule.json"
+    result = {"tune": tune, "schedule": None, "train": None}
+    if not schedule.is_file():
+        return result
+    data = json.loads(schedule.read_text())
+    loaded = load_schedule(schedule)
+    steps_s = (data.get("measured") or {}).get("step_times") or []
+    step = statistics.median(steps_s) if steps_s else None
+    hw = hardware_for(device_setup(data["device"], here=False))[0]
+    mfu = CostModel(loaded.problem, hw).mfu(step, loaded.world_size) if step else None
+    result["schedule"] = {"path": str(schedule), "knobs": data["knobs"], "device": data["device"],
+                          "precision": data.get("precision"), "measured": data.get("measured"), "mfu": mfu,
+                          "hardware": hw.name}
+    print(f"tuned {data['knobs']}: {(data.get('measured') or {}).get('samples_per_s') or 0:.1f} samples/s"
+          + (f", MFU {mfu:.1%} of {hw.name}" if mfu else ""), flush=True)
+    train_argv = ["train", "--schedule", str(schedule), "--steps", str(steps), *device_args]
+    code, stdout, stderr, seconds = _cli(train_argv, timeout=240)
+    losses = [float(line.split(" loss ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("step ")]
+    result["train"] = {"argv": train_argv, "returncode": code, "seconds": seconds, "steps": len(losses),
+                       "losses": losses, "stdout": _tail(stdout), "stderr": _tail(stderr) if code else ""}
+    print(f"train: exit {code} in {seconds:.0f} s, {len(losses)} step(s), losses {losses}", flush=True)
+    return result
+
+
+def _write(path: str, result: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-gib", type=float, default=40.0, help="memory budget of the tuning run")
-    parser.add_argument("--tries", type=int, default=6, help="cost-model-ranked points trained in part 3")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda (the GPU check) or cpu (with --smoke: the same path, for the tests)")
+    parser.add_argument("--smoke", action="store_true", help="gpt2-tiny, one memory point, 1 trial: about a minute")
+    parser.add_argument("--tune-trials", type=int, default=None, help="trials of the tuning run (default: 4; smoke 1)")
+    parser.add_argument("--train-steps", type=int, default=None, help="steps of the training run (default: 5; smoke 2)")
     parser.add_argument("--out", default="gpu_check.json")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device", file=sys.stderr)
+    from slapo_tune.cost_model import hardware_for
+    from slapo_tune.device import device_setup
+    from slapo_tune.errors import UsageError
+
+    try:
+        setup = device_setup(args.device)
+    except UsageError as exc:
+        print(f"gpu_check: {exc}", file=sys.stderr)
         return 2
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    hw, hardware_line = hardware_for(setup)
+    print(f"device: {setup.name} ({setup.kind}), {hardware_line}, torch {torch.__version__}", flush=True)
     started = time.monotonic()
-    budget = int(args.budget_gib * GiB)
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    for name, fn in (("numerics", check_numerics), ("memory", lambda: check_memory(budget)),
-                     ("tune", lambda: tune_350m(budget, args.tries))):
-        t0 = time.monotonic()
-        try:
-            result[name] = fn()
-        except Exception as exc:  # noqa: BLE001 - report every part, even after a failure
-            result[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
-        result[f"{name}_seconds"] = time.monotonic() - t0
-    result["seconds"] = time.monotonic() - started
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    tune = result.get("tune", {})
-    if isinstance(tune, dict) and tune.get("best"):
-        print(f"tuned {tune['best']['point']}: {tune['best']['samples_per_s']:.1f} samples/s, MFU "
-              f"{(tune['best']['mfu'] or 0):.1%}; default {tune['default']['samples_per_s'] or 0:.1f} samples/s; "
-              f"speedup {tune['speedup'] or 0:.2f}x")
+    result = {"device": setup.name, "kind": setup.kind, "hardware": hw.name, "torch": torch.__version__,
+              "smoke": args.smoke}
+    # on a GPU the command line runs with its own defaults (device, precision, hardware, budget all
+    # detected); elsewhere the device is said, as the default could be another one
+    device_args = [] if setup.cuda and not args.smoke else ["--device", setup.kind]
+    if args.smoke:  # the same path on a tiny model
+        numerics = partial(check_numerics, setup.kind, ("gpt2-tiny",))
+        memory = partial(check_memory, setup, hw, "gpt2-tiny", 8, 32, MEMORY_POINTS[:1])
+        model, tune_args = "gpt2-tiny", ["--global-batch", "4", "--seq-len", "32", "--measured-steps", "1"]
+        trials, steps = args.tune_trials or 1, args.train_steps or 2
+    else:
+        numerics = partial(check_numerics, setup.kind)
+        memory = partial(check_memory, setup, hw, "gpt2", 16, 512, MEMORY_POINTS)
+        model, tune_args = "gpt2-medium", []
+        trials, steps = args.tune_trials or 4, args.train_steps or 5
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
+        cli = partial(cli_end_to_end, Path(work), model, trials, steps, device_args, tune_args)
+        for name, fn in (("numerics", numerics), ("cli", cli), ("memory", memory)):
+            t0 = time.monotonic()
+            try:
+                result[name] = fn()
+            except Exception as exc:  # noqa: BLE001 - report every part, even after a failure
+                result[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{name} failed: {type(exc).__name__}: {exc}", flush=True)
+            result[f"{name}_seconds"] = time.monotonic() - t0
+            result["seconds"] = time.monotonic() - started
+            _write(args.out, result)  # after every part: a run stopped by the time limit keeps what it did
     print(f"gpu_check: done in {result['seconds']:.0f} s, wrote {args.out}")
     return 0
 

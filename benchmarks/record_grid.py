@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-GRID = dict(model="gpt2-tiny", world_size=2, global_batch=16, seq_len=64, fixed={"attn": "sdpa"})
+# zero: the ZeRO levels the grid holds (it was recorded before levels 1 and 2 existed)
+GRID = dict(model="gpt2-tiny", world_size=2, global_batch=16, seq_len=64, fixed={"attn": "sdpa"}, zero=(0, 3))
 DEFAULT_OUT = Path(__file__).with_name("data") / "gpt2_tiny_w2.csv"
 REFERENCE_OUT = Path(__file__).with_name("data") / "gpt2_ref_w1.csv"
 
@@ -42,7 +43,8 @@ def grid_problem() -> Problem:
 
 def grid_points(problem: Problem | None = None) -> list[dict]:
     space = (problem or grid_problem()).space
-    return [p for p in space.enumerate() if all(p[k] == v for k, v in GRID["fixed"].items())]
+    return [p for p in space.enumerate()
+            if all(p[k] == v for k, v in GRID["fixed"].items()) and p["zero"] in GRID["zero"]]
 
 
 def _key(point: dict) -> tuple:

@@ -103,12 +103,21 @@ def trials_to_within(throughputs: list[float], optimum: float, tolerance: float 
 
 
 class FixedAttention(GPT2Template):
-    """The GPT-2 template with the knobs the recorded grid held fixed (attention) pinned."""
+    """The GPT-2 template as the recorded grid holds it: the knobs it held fixed (attention) pinned,
+    and only the ZeRO levels it recorded."""
 
     def space(self, info, workload):
         space = super().space(info, workload)
-        knobs = [Knob(k.name, choices=[GRID["fixed"][k.name]], doc=k.doc, kind=k.kind)
-                 if k.name in GRID["fixed"] else k for k in space.knobs]
+
+        def recorded(knob: Knob) -> Knob:
+            if knob.name in GRID["fixed"]:
+                return Knob(knob.name, choices=[GRID["fixed"][knob.name]], doc=knob.doc, kind=knob.kind)
+            if knob.name == "zero":
+                return Knob("zero", lambda p: [z for z in knob.raw(p) if z in GRID["zero"]], knob.depends,
+                            doc=knob.doc, kind=knob.kind)
+            return knob
+
+        knobs = [recorded(k) for k in space.knobs]
         return type(space)(knobs, space.constraints, space.context)
 
 

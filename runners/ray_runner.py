@@ -10,10 +10,12 @@ group removed, which frees the bundles at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
+from slapo_tune.device import NCCL_ENV, collective_timeout, default_concurrency, device_setup
 from slapo_tune.errors import UsageError
 from slapo_tune.launch import RankFailure
 from slapo_tune.plan import SHORT_NAMES
@@ -66,30 +68,37 @@ class _RankActor:
         from slapo_tune.launch import RankContext, describe_exception
 
         try:
-            cuda = spec.device == "cuda"
-            device = "cuda:0" if cuda else "cpu"  # Ray shows the actor only its own GPU
-            if cuda:
-                torch.cuda.set_device(0)
+            setup = device_setup(spec.device)  # on this actor's node: a GPU bundle's node has CUDA
+            device = setup.rank_device()  # Ray shows the actor only its own GPU: cuda:0
+            collectives = timeout
+            if setup.cuda:
+                torch.cuda.set_device(device)
+                os.environ.update(NCCL_ENV)  # read when the process group is made, below
+                collectives = collective_timeout(timeout)  # a hung collective ends the actor, via NCCL's watchdog
             store = self._store or dist.TCPStore(host, port, self.world_size, is_master=False,
                                                  timeout=timedelta(seconds=timeout))
-            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=self.rank,
-                                    world_size=self.world_size, timeout=timedelta(seconds=timeout))
-            try:
-                return ("ok", trial_rank(RankContext(self.rank, self.world_size, device), spec, point))
-            finally:
-                dist.destroy_process_group()
+            dist.init_process_group(setup.backend, store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=collectives))
+            result = trial_rank(RankContext(self.rank, self.world_size, device), spec, point)
         except BaseException as exc:  # noqa: BLE001 - reported to the driver as the trial's failure
+            # no teardown after a failure (NCCL's can wait for the peers' pending collectives and
+            # hold the report back): the runner kills this actor
             return ("error", *describe_exception(exc), time.time())
+        with contextlib.suppress(Exception):  # measured already; a teardown error changes nothing
+            dist.destroy_process_group()
+        return ("ok", result)
 
 
 class RayRunner(Runner):
     """Runs each trial as ``world_size`` rank actors on a Ray cluster.
 
     Connects to ``address`` (``None``: the cluster this process is already connected to, else a
-    new local one). ``cpus_per_rank``: CPU share of each rank's bundle (default: the cluster's
-    CPUs divided among ``concurrency`` trials of this world size, at most 1; fractional shares
-    let a small cluster run wide trials). Placement ``strategy`` ``PACK`` fills nodes first and
-    spills over, ``SPREAD`` spreads the ranks.
+    new local one). ``cpus_per_rank``: CPU share of each rank's bundle (default: on CPU the
+    cluster's CPUs divided among ``concurrency`` trials of this world size, at most 1; fractional
+    shares let a small cluster run wide trials. On CUDA, where each rank's bundle also holds one
+    GPU, the cluster's CPUs divided among the ranks of the trials its GPUs hold, and no more than a
+    GPU node's CPUs per GPU, so that every GPU can be placed). Placement ``strategy`` ``PACK`` fills
+    nodes first and spills over, ``SPREAD`` spreads the ranks.
     """
 
     name = "ray"
@@ -117,12 +126,20 @@ class RayRunner(Runner):
     def _bundle(self, spec: TrialSpec) -> dict[str, float]:
         import ray
 
+        cuda = device_setup(spec.device, here=False).cuda  # the driver needs no GPU of its own
         cpus = self.cpus_per_rank
         if cpus is None:
-            total = ray.cluster_resources().get("CPU", 1.0)
-            cpus = min(1.0, total / (spec.world_size * self.concurrency))
+            resources = ray.cluster_resources()
+            total = resources.get("CPU", 1.0)
+            if cuda:
+                trials = default_concurrency("cuda", spec.world_size, int(resources.get("GPU", 0)))
+                ranks = trials * spec.world_size
+                cpus = _placeable_share(ray, ranks, total / ranks)
+                cpus = float(int(cpus)) if cpus >= 1 else round(cpus, 4)  # whole threads; Ray's 1e-4 units
+            else:
+                cpus = min(1.0, total / (spec.world_size * self.concurrency))
         bundle = {"CPU": cpus}
-        if spec.device == "cuda":
+        if cuda:
             bundle["GPU"] = 1.0
         return bundle
 
@@ -217,6 +234,27 @@ def _outcome(ray, ref, rank: int):
         failure.when = when
         return failure
     return message[1]
+
+
+def _placeable_share(ray, ranks: int, share: float) -> float:
+    """The largest CPU share of at most ``share`` per GPU bundle with which the cluster's GPU nodes
+    hold ``ranks`` bundles: a bundle must fit on one node, so the cluster's CPUs over the ranks can
+    ask more of a node than it has per GPU (nodes of 32 CPUs and 2 GPUs hold one bundle of 24)."""
+    try:
+        nodes = [(n["Resources"].get("CPU", 0.0), int(n["Resources"].get("GPU", 0)))
+                 for n in ray.nodes() if n.get("Alive", True)]
+    except Exception:  # noqa: BLE001 - a cluster that cannot list its nodes: the share as it is
+        return share
+    nodes = [(c, g) for c, g in nodes if g > 0]
+
+    def held(s: float) -> int:
+        return sum(min(g, int(c / s + 1e-9)) for c, g in nodes)
+
+    # the share changes what a node holds only at its CPUs over a whole number of bundles
+    for candidate in sorted({share} | {c / k for c, g in nodes for k in range(1, g + 1)}, reverse=True):
+        if candidate <= share and held(candidate) >= ranks:
+            return candidate
+    return share  # no GPU node listed: nothing to check against
 
 
 def _first_line(exc: BaseException) -> str:

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from slapo_tune.launch import OOM_TYPES
 from slapo_tune.plan import TrialStatus
 from slapo_tune.problem import ProblemSpec
 from slapo_tune.session import WAIT_LIMIT
@@ -65,6 +66,9 @@ class TrialResult:
     step_p75: float | None = None
     spread: float | None = None  # (p75 - p25) / median step time
     peak_memory: list[int] = field(default_factory=list)  # tensor-level peak per rank (bytes)
+    # CUDA: the caching allocator's peak reserved bytes per rank (what the device had to hold:
+    # the allocated peak plus fragmentation); 0 on CPU, which has no caching allocator
+    peak_reserved: list[int] = field(default_factory=list)
     peak_rss: list[int] = field(default_factory=list)  # process peak RSS per rank (bytes)
     losses: list[float] = field(default_factory=list)  # rank 0's view of the last stage's losses
     wait_fraction: float | None = None  # worst run-queue wait / step time of the kept steps
@@ -97,7 +101,10 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
 
     started = time.time()
     budget = spec.problem.memory_budget
-    if ctx.device.startswith("cuda") and budget:
+    if torch.device(ctx.device).type == "cuda" and budget:
+        # the allocator refuses to reserve beyond the budget: a point that needs more raises
+        # torch.OutOfMemoryError on the rank that hit it (a trial status ``oom``), as on a device of
+        # that size, instead of running on in the memory the budget leaves to the reserve
         total = torch.cuda.get_device_properties(ctx.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), ctx.device)
     problem = spec.problem.resolve()
@@ -110,8 +117,8 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
         raise FloatingPointError(f"non-finite loss {bad[0]} on rank {ctx.rank}")
     return {"rank": ctx.rank, "stage": session.stage.info.index, "is_last": session.stage.info.is_last,
             "times": measured.times, "waits": measured.waits, "remeasured": measured.remeasured,
-            "peak": measured.peak.total, "rss": peak_rss_bytes(), "losses": measured.losses, "started": started,
-            "finished": time.time(), "cores": usable_cores()}
+            "peak": measured.peak.total, "reserved": measured.peak.reserved, "rss": peak_rss_bytes(),
+            "losses": measured.losses, "started": started, "finished": time.time(), "cores": usable_cores()}
 
 
 # ---------------------------------------------------------------------------- driver side
@@ -139,14 +146,12 @@ def summarize(spec: TrialSpec, point: dict[str, Any], per_rank: list[dict[str, A
     return TrialResult(
         status=TrialStatus.OK, knobs=point, samples_per_s=spec.problem.global_batch / median,
         tokens_per_s=spec.problem.global_batch * spec.problem.seq_len / median, step_times=steps, step_p25=p25, step_p75=p75,
-        spread=spread, peak_memory=[r["peak"] for r in per_rank], peak_rss=[r["rss"] for r in per_rank],
+        spread=spread, peak_memory=[r["peak"] for r in per_rank], peak_reserved=[r["reserved"] for r in per_rank],
+        peak_rss=[r["rss"] for r in per_rank],
         losses=last["losses"], wait_fraction=wait, rank_cores=[r["cores"] for r in per_rank],
         warnings=warnings, wall_seconds=wall,
         train_seconds=max(r["finished"] for r in per_rank) - min(r["started"] for r in per_rank), runner=runner,
     )
-
-
-OOM_TYPES = ("MemoryBudgetExceeded", "OutOfMemoryError")
 
 
 def failure(spec: TrialSpec, point: dict[str, Any], status: TrialStatus, message: str, wall: float, runner: str, *,

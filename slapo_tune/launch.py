@@ -8,9 +8,11 @@ rank, so a rank killed mid-write cannot corrupt the others' results.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ from datetime import timedelta
 from multiprocessing import connection, get_context
 from typing import Any
 
+from .device import auto_setup, collective_timeout, device_setup, rank_environment, split_gpus, usable_cores
 from .errors import SlapoTuneError
 
 
@@ -41,19 +44,32 @@ class RankContext:
     device: str
 
 
-def usable_cores() -> list[int]:
-    """The CPU cores this process may run on (its affinity where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
 def default_backend(world_size: int) -> str:
-    import torch
+    """nccl when CUDA gives each of ``world_size`` local ranks a GPU of its own, else gloo
+    (:func:`slapo_tune.device.auto_setup`)."""
+    return auto_setup(world_size).backend
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return "gloo"
+
+# A rank's CUDA_VISIBLE_DEVICES must be in its environment when the process starts: CUDA reads it
+# once, at its first call, and importing the rank's modules (transformers) may make that call
+# before the rank function runs. Spawned children inherit this process's environment, so it is
+# set around each start, one start at a time (trials start from several threads at once).
+_START_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _started_with(env: dict[str, str]):
+    with _START_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s, cores=None):
@@ -64,25 +80,29 @@ def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, ti
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    reported = False
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
         device = "cpu"
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = f"cuda:{rank}"
+        collectives = timeout_s
+        if backend == "nccl":  # this rank sees only its own GPU (CUDA_VISIBLE_DEVICES)
+            device = device_setup("cuda").rank_device()
+            torch.cuda.set_device(device)
+            collectives = collective_timeout(timeout_s)  # a hung collective ends the rank, via NCCL's watchdog
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
-        try:
-            result = fn(RankContext(rank, world_size, device), *args)
-        finally:
-            dist.destroy_process_group()
-        conn.send(("ok", rank, result))
+                                timeout=timedelta(seconds=collectives))
+        conn.send(("ok", rank, fn(RankContext(rank, world_size, device), *args)))
+        reported = True
+        # after reporting: a failed rank never tears its group down (NCCL's teardown can wait for the
+        # peers' pending collectives, which would hold its report back); the launcher kills it
+        dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
-        conn.send(("error", rank, *describe_exception(exc), time.time()))
+        if not reported:
+            conn.send(("error", rank, *describe_exception(exc), time.time()))
     finally:
         conn.close()
 
@@ -98,14 +118,30 @@ def _die_with_parent() -> None:
         pass
 
 
+OOM_TYPES = ("OutOfMemoryError", "MemoryBudgetExceeded")  # what a trial records as ``oom``
+
+
 def root_cause(exc: BaseException) -> BaseException:
     """The exception at the bottom of a chain: torch's pipeline schedules wrap whatever a stage
-    raised (an out-of-memory error included) in a generic RuntimeError."""
-    seen = {id(exc)}
-    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
-        exc = exc.__cause__
-        seen.add(id(exc))
-    return exc
+    raised (an out-of-memory error included) in a generic RuntimeError (``raise ... from``). An
+    out-of-memory error anywhere in the chain, also as the context of an error raised while
+    handling it (a cleanup that failed for want of memory), is the cause."""
+    chain, seen = [exc], {id(exc)}
+    while True:
+        last = chain[-1]
+        nxt = last.__cause__ or (None if last.__suppress_context__ else last.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        chain.append(nxt)
+        seen.add(id(nxt))
+    oom = [e for e in chain if type(e).__name__ in OOM_TYPES]
+    if oom:
+        return oom[-1]
+    root, visited = exc, {id(exc)}
+    while root.__cause__ is not None and id(root.__cause__) not in visited:  # the explicit causes only
+        root = root.__cause__
+        visited.add(id(root))
+    return root
 
 
 def describe_exception(exc: BaseException) -> tuple[str, str, str]:
@@ -134,6 +170,7 @@ def launch(
     *,
     timeout: float = 300.0,
     backend: str | None = None,
+    gpus: Sequence[str] | None = None,
     threads_per_rank: int | None = None,
     env: dict[str, str] | None = None,
     cores: Sequence[Sequence[int]] | None = None,
@@ -143,7 +180,10 @@ def launch(
 
     ``fn`` must be importable by name (a module-level function). Raises :class:`RankFailure`
     naming the first rank that failed, with its exception type and traceback, or ``kind="timeout"``
-    after ``timeout`` seconds. No rank process outlives this call. ``cores``: the CPU cores
+    after ``timeout`` seconds. No rank process outlives this call. ``backend``: gloo (ranks on
+    CPU) or nccl (one GPU per rank); default :func:`default_backend`. ``gpus``: with nccl, the GPUs
+    the ranks get, one each, as ``CUDA_VISIBLE_DEVICES`` names them (default: the first
+    ``world_size`` visible here); each rank sees only its own, as ``cuda:0``. ``cores``: the CPU cores
     each rank is pinned to (one list per rank), so that concurrent launches never share a core.
     ``running``: a set the rank processes are added to while they live (so another thread can
     :func:`kill_processes` them, e.g. on Ctrl-C).
@@ -153,6 +193,10 @@ def launch(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = backend or default_backend(world_size)
+    if backend == "nccl":
+        gpus = split_gpus(device_setup("cuda").gpu_ids if gpus is None else gpus, world_size)
+    elif gpus:
+        raise ValueError(f"gpus are given to nccl ranks only, not {backend}")
     if cores is not None and len(cores) != world_size:
         raise ValueError(f"cores: expected one core list per rank ({world_size}), got {len(cores)}")
     available = len(usable_cores())
@@ -165,13 +209,15 @@ def launch(
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
+            device_env = rank_environment(backend, gpus[rank] if gpus else None)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store.port, backend, tuple(args), child_end, threads, child_env, timeout,
-                      list(cores[rank]) if cores else None),
+                args=(fn, rank, world_size, store.port, backend, tuple(args), child_end, threads,
+                      {**child_env, **device_env}, timeout, list(cores[rank]) if cores else None),
                 name=f"slapo-rank-{rank}",
             )
-            proc.start()
+            with _started_with(device_env):
+                proc.start()
             child_end.close()
             procs.append(proc)
             if running is not None:

@@ -27,6 +27,7 @@ class MemoryBreakdown:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0
+    reserved: int = 0  # CUDA: the caching allocator's peak reserved bytes (0 on CPU: no allocator cache)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -88,7 +89,10 @@ def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer
         torch.cuda.reset_peak_memory_stats(device)
         run_step()
         torch.cuda.synchronize(device)
-        return MemoryBreakdown(total=torch.cuda.max_memory_allocated(device))
+        # allocated: what the step's tensors needed (the figure the budget and the cost model speak
+        # of); reserved: what the device had to hold for them, fragmentation included
+        return MemoryBreakdown(total=torch.cuda.max_memory_allocated(device),
+                               reserved=torch.cuda.max_memory_reserved(device))
     tracker = StepMemTracker()
     tracker.track_external(stage, optimizer, *extra)
     with tracker:

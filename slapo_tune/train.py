@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import latest_checkpoint
+from .device import auto_setup, device_setup
 from .errors import UsageError
 
 log = logging.getLogger("slapo_tune")
@@ -42,6 +43,7 @@ class TrainConfig:
     resume: str | None = None
     init_from: str | None = None  # a Hugging Face checkpoint folder (save_pretrained)
     log_every: int = 1
+    device: str | None = None  # cpu or cuda (None: cuda when every local rank can have a GPU, else cpu)
 
 
 def checkpoint_files(folder: str) -> list[Path]:
@@ -148,13 +150,14 @@ def run_under_torchrun(config: TrainConfig) -> list[float]:
     world = int(os.environ["WORLD_SIZE"])
     load_schedule(config.schedule, model=config.model, world_size=world,
                   allow_model_mismatch=config.allow_model_mismatch)  # fail before joining the group
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    dist.init_process_group(backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    setup = device_setup(config.device) if config.device else auto_setup(local_world)
+    setup.check_world(local_world)  # one GPU per rank of this node
+    device = setup.rank_device(local)  # torchrun shows every rank all of its node's GPUs
+    if setup.cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(setup.backend)
     try:
         return train_rank(RankContext(dist.get_rank(), world, device), config)
     finally:

@@ -20,15 +20,8 @@ def count_collectives(ctx, spec: ProblemSpec, points: list[dict]) -> list[dict[s
         session.train_step(batch)
         counts = {"all_gather": 0, "reduce_scatter": 0}
         originals = {name: getattr(dist, f"{name}_single") for name in counts}
-
-        def counting(name):
-            def call(*args, **kwargs):
-                counts[name] += 1
-                return originals[name](*args, **kwargs)
-            return call
-
         for name in counts:
-            setattr(dist, f"{name}_single", counting(name))
+            setattr(dist, f"{name}_single", _counting(originals[name], counts, name))
         try:
             session.train_step(batch)
         finally:
@@ -37,3 +30,11 @@ def count_collectives(ctx, spec: ProblemSpec, points: list[dict]) -> list[dict[s
         out.append(counts)
         dist.barrier()
     return out
+
+
+def _counting(collective, counts: dict[str, int], name: str):
+    def call(*args, **kwargs):
+        counts[name] += 1
+        return collective(*args, **kwargs)
+
+    return call

@@ -44,7 +44,7 @@ def test_other_bad_input(capsys, argv, message):
 
 def test_space_prints_sizes_of_real_models(capsys):
     code, out, _ = _run(capsys, "space", "--model", "llama-7b", "--world-size", "64")
-    assert code == 0 and "template llama v1, world 64" in out and "legal points: 11060" in out
+    assert code == 0 and "template llama v1, world 64" in out and "legal points: 20420" in out
     code, out, _ = _run(capsys, "space", "--model", "llama-70b", "--world-size", "64", "--json")
     data = json.loads(out)
     assert code == 0 and data["legal_points"] > 1000 and data["seconds"] < 5

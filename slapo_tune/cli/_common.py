@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ..problem import ProblemSpec
+
+if TYPE_CHECKING:
+    from ..cost_model import Hardware
+    from ..device import DeviceSetup
+
+DEVICE_HELP = "where ranks run: cpu or cuda (default: cuda when torch.cuda.is_available(), else cpu)"
 
 
 def positive_int(text: str) -> int:
@@ -49,3 +56,43 @@ def problem_spec(args: argparse.Namespace, **fields) -> ProblemSpec:
     return ProblemSpec(args.model, args.world_size, template=args.space, global_batch=args.global_batch,
                        seq_len=args.seq_len, **fields)
 
+
+
+def add_device_argument(p: argparse.ArgumentParser, help_text: str = DEVICE_HELP) -> None:
+    """``--device``: where ranks run (see :mod:`slapo_tune.device`)."""
+    p.add_argument("--device", default=None, help=help_text)
+
+
+def add_hardware_argument(p: argparse.ArgumentParser, default_help: str) -> None:
+    """``--hardware``: the cost model's hardware preset (see :mod:`slapo_tune.cost_model.hardware`)."""
+    from ..cost_model import PRESETS
+
+    p.add_argument("--hardware", default=None,
+                   help=f"the cost model's hardware: cpu (this machine, measured), {', '.join(PRESETS)} "
+                        f"(default: {default_help})")
+
+
+def device_of(requested: str | None, *, here: bool = True) -> DeviceSetup:
+    """The :class:`~slapo_tune.device.DeviceSetup` of ``--device`` (``here``: the ranks run on this
+    machine). A hardware preset there, the option's old meaning, is refused with the new spelling."""
+    from ..cost_model import PRESETS
+    from ..device import device_setup
+    from ..errors import UsageError
+
+    if requested in PRESETS:
+        raise UsageError(f"--device {requested} is a hardware preset: use --hardware {requested} "
+                         f"(--device is where ranks run: cpu or cuda)")
+    return device_setup(requested, here=here)
+
+
+def hardware_of(args: argparse.Namespace, setup: DeviceSetup, fallback: str | None = None) -> tuple[Hardware, str]:
+    """The cost model's hardware: ``--hardware``, else the devices of ``setup``
+    (:func:`~slapo_tune.cost_model.hardware.hardware_for`), else the preset ``fallback`` when no GPU
+    is visible to detect it from; with one line saying which and why."""
+    from ..cost_model import hardware, hardware_for
+
+    if args.hardware:
+        return hardware(args.hardware), f"hardware {args.hardware} (--hardware)"
+    if fallback and setup.cuda and not setup.gpus:
+        return hardware(fallback), f"hardware {fallback} (default: no GPU visible here to detect it from)"
+    return hardware_for(setup)

@@ -40,12 +40,15 @@ def demo_rank(ctx, preset: str, family: str, batch: int, seq: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..device import device_setup
     from ..launch import launch
     from . import EXIT_FAILED, EXIT_OK
 
     print(f"Scheduling {args.model} with tensor parallelism over {args.world_size} CPU ranks "
           "(vocab-parallel embedding, attention, MLP, LM head) and checkpointing half of the blocks;")
     print("verifying loss, module outputs and every gradient against the unscheduled model...")
-    reports = launch(demo_rank, args.world_size, args=(args.model, "gpt2", 4, 64), timeout=300)
+    # CPU ranks even where GPUs are present: the demo's model is built on the CPU
+    reports = launch(demo_rank, args.world_size, args=(args.model, "gpt2", 4, 64), timeout=300,
+                     backend=device_setup("cpu").backend)
     print(reports[0])
     return EXIT_OK if reports[0].startswith("verify: OK") else EXIT_FAILED

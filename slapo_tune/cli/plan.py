@@ -7,24 +7,34 @@ import json
 import time
 
 from ..units import format_size
-from ._common import add_precision_argument, add_problem_arguments, positive_int, problem_spec
+from ._common import (
+    add_device_argument,
+    add_hardware_argument,
+    add_precision_argument,
+    add_problem_arguments,
+    device_of,
+    hardware_of,
+    positive_int,
+    problem_spec,
+)
 
 HELP = "rank a cluster's schedule points with the cost model alone (nothing runs)"
+CLUSTER_HARDWARE = "a100-80gb"  # planned GPU ranks' hardware when no GPU is visible here to detect it from
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p)
     p.add_argument("--memory-budget", required=True, help="per-device memory, e.g. 80GiB")
-    p.add_argument("--device", default="a100-80gb",
-                   help="hardware preset: cpu, a100-80gb, a100-40gb, h100-80gb, h200, v100-32gb (default: %(default)s)")
-    add_precision_argument(p, "bf16 on GPUs, fp32 on cpu")
+    add_device_argument(p, "where the planned ranks would run: cuda (default; no GPU needed here) or cpu")
+    add_hardware_argument(p, f"on cuda the GPU visible here, else {CLUSTER_HARDWARE}; on cpu this machine")
+    add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
     p.add_argument("--knobs", default="", help="evaluate one point (others: first legal value)")
     p.add_argument("--top", type=positive_int, default=5)
     p.add_argument("--json", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cost_model import CostModel, hardware
+    from ..cost_model import CostModel
     from ..cost_model.cards import preset_card
     from ..errors import UsageError
     from ..precision import default_precision
@@ -34,14 +44,16 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     budget = parse_size(args.memory_budget)
-    device = hardware(args.device)
-    precision = args.precision or default_precision("cpu" if args.device == "cpu" else "cuda")
+    # a plan is for a cluster: GPU ranks by default, and nothing of it has to run here
+    setup = device_of(args.device or ("cpu" if args.hardware == "cpu" else "cuda"), here=False)
+    hw, hardware_line = hardware_of(args, setup, fallback=CLUSTER_HARDWARE)
+    precision = args.precision or default_precision(setup.kind)
     # a preset's shipped card spares loading transformers and building the model to measure it
     card = None if args.space else preset_card(args.model)
     config, layout = card or (None, None)
     problem = problem_spec(args, precision=precision, memory_budget=budget).resolve(config)
     workload = problem.workload
-    model = CostModel(problem, device, layout=layout)
+    model = CostModel(problem, hw, layout=layout)
     points = [problem.plan(args.knobs)] if args.knobs else list(problem.plans())
     rows, pruned = [], []
     for point in points:
@@ -64,14 +76,15 @@ def run(args: argparse.Namespace) -> int:
             f"{format_point(smallest['point'])}"
         )
     if args.json:
-        print(json.dumps({"model": args.model, "device": device.name, "budget": budget, "precision": precision,
+        print(json.dumps({"model": args.model, "device": setup.kind, "hardware": hw.name, "budget": budget,
+                          "precision": precision,
                           "points": len(points), "feasible": len(rows), "pruned": len(pruned),
                           "top": rows[: args.top], "pruned_examples": pruned[: args.top],
                           "seconds": round(elapsed, 3)}, default=str))
         return EXIT_OK
-    print(f"{args.model} on {workload.world_size} x {device.name} ({format_size(budget)} each), {precision}, global batch "
+    print(f"{args.model} on {workload.world_size} x {hw.name} ({format_size(budget)} each), {precision}, global batch "
           f"{workload.global_batch}, seq {workload.seq_len}: {len(points)} point(s), {len(rows)} fit, "
-          f"{len(pruned)} pruned ({elapsed:.2f} s, template {problem.template.describe()})")
+          f"{len(pruned)} pruned ({elapsed:.2f} s, template {problem.template.describe()}; {hardware_line})")
     for i, r in enumerate(rows[: args.top], 1):
         parts = ", ".join(f"{k} {format_size(v)}" for k, v in r["breakdown"].items() if v >= 2**20)
         print(f"{i:>3}. {format_point(r['point'])}")

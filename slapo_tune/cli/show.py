@@ -23,7 +23,8 @@ def run(args: argparse.Namespace) -> int:
     if not table.is_file():
         raise UsageError(f"{folder} has no trials.csv (is it a slapo-tune results folder?)")
     frame = pd.read_csv(table)
-    columns = [c for c in frame.columns if c not in ("warnings", "retry_of", "peak_rss", "overhead_s", "wall_s")]
+    columns = [c for c in frame.columns if c not in ("warnings", "retry_of", "peak_rss", "overhead_s", "wall_s")
+               and not (c == "peak_reserved" and frame[c].isna().all())]  # CPU trials: no allocator cache
     with pd.option_context("display.max_rows", 500, "display.width", 200, "display.max_colwidth", 40):
         print(frame[columns].to_string(index=False))
     best = folder / "best_schedule.json"

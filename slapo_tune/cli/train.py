@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import positive_int
+from ._common import add_device_argument, device_of, positive_int
 
 HELP = "train with an exported schedule (local ranks, or under torchrun)"
 
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", default=None, help="initial weights from a Hugging Face checkpoint folder")
     p.add_argument("--log-every", type=positive_int, default=1)
     p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the ranks are killed")
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(schedule=args.schedule, model=args.model, allow_model_mismatch=args.allow_model_mismatch,
                          data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, save=args.save,
                          save_every=args.save_every, keep=args.keep, resume=args.resume, init_from=args.init_from,
-                         log_every=args.log_every)
+                         log_every=args.log_every, device=args.device)
     if under_torchrun():
         run_under_torchrun(config)
         return EXIT_OK
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size,
                            allow_model_mismatch=args.allow_model_mismatch)
+    setup = device_of(args.device)
+    setup.check_world(loaded.world_size)  # one GPU per rank on cuda
     TrainingData(args.data, loaded.problem.config.vocab_size, loaded.workload.global_batch,
                  loaded.workload.seq_len)  # a bad data file fails here, before any rank starts
     if args.resume:
@@ -56,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.init_from:
         checkpoint_files(args.init_from)  # before any rank starts
     point = ", ".join(f"{k}={v}" for k, v in loaded.plan.items())
-    print(f"training {loaded.model.name} on {loaded.world_size} local rank(s) with {point}", flush=True)
+    print(f"training {loaded.model.name} on {loaded.world_size} local {setup.kind} rank(s) with {point}", flush=True)
     try:
-        losses = launch(train_rank, loaded.world_size, args=(config,), timeout=args.timeout)[0]
+        losses = launch(train_rank, loaded.world_size, args=(config,), timeout=args.timeout, backend=setup.backend)[0]
     except RankFailure as exc:
         if exc.exc_type == "UsageError":
             raise UsageError(str(exc).split(": ", 1)[-1]) from None

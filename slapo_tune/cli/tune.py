@@ -9,16 +9,30 @@ import time
 from pathlib import Path
 
 from ..search import STRATEGIES
-from ._common import add_precision_argument, add_problem_arguments, positive_int, problem_spec
+from ._common import (
+    add_device_argument,
+    add_hardware_argument,
+    add_precision_argument,
+    add_problem_arguments,
+    device_of,
+    hardware_of,
+    positive_int,
+    problem_spec,
+)
 
 HELP = "search for the fastest schedule that fits, running real trials"
+CPU_BUDGET = "16MiB"  # the default budget on cpu: small enough that it rules out part of gpt2-tiny's space
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p, model="gpt2-tiny", world_size=2)
-    p.add_argument("--memory-budget", default="16MiB", help="per-rank memory budget (default: %(default)s)")
+    p.add_argument("--memory-budget", default=None,
+                   help=f"per-rank memory budget (default: on cuda the GPU's memory less a reserve for the CUDA "
+                        f"context, NCCL's buffers and fragmentation; {CPU_BUDGET} on cpu)")
     add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_device_argument(p, "where trials' ranks run: cpu or cuda, one GPU per rank (default: cuda when "
+                           "torch.cuda.is_available(), else cpu)")
+    add_hardware_argument(p, "the visible GPU's preset on cuda, this machine measured on cpu")
     p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
     p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
     p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
@@ -70,6 +84,7 @@ def _clock(seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..device import cuda_reserve
     from ..errors import UsageError
     from ..models import preset_names
     from ..precision import default_precision
@@ -77,35 +92,52 @@ def run(args: argparse.Namespace) -> int:
     from ..search._cluster import connect
     from ..search._storage import check_storage, redact
     from ..space import format_point
-    from ..units import parse_duration, parse_size
+    from ..units import format_size, parse_duration, parse_size
 
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
-    budget = parse_size(args.memory_budget)
+    # where ranks run: this machine, unless trials go to a Ray cluster this process only attaches to
+    here = args.ray_address in ("none", "local")
+    setup = device_of(args.device, here=here)
+    if args.memory_budget:
+        budget = parse_size(args.memory_budget)
+        budget_text = format_size(budget)
+    elif setup.cuda:
+        budget = setup.default_memory_budget()
+        budget_text = (f"{format_size(budget)} ({setup.name}'s {format_size(setup.memory)} less "
+                       f"{format_size(cuda_reserve(setup.memory))} reserved)")
+    else:
+        budget = parse_size(CPU_BUDGET)
+        budget_text = format_size(budget)
     time_budget = parse_duration(args.time_budget) if args.time_budget else None
     trial_timeout = parse_duration(args.trial_timeout)
-    device = args.device or _default_device()
+    device = setup.kind
     model_label = args.model if args.model in preset_names() else Path(args.model).stem
     out = Path(args.out or f"results/{model_label}-w{args.world_size}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"output folder {out} is a file; choose another --out")
     precision = args.precision or default_precision(device)
     problem = problem_spec(args, precision=precision, device=device, memory_budget=budget).resolve()
+    hardware, hardware_line = hardware_of(args, setup)
+    if here:
+        setup.concurrency(args.world_size)  # a world larger than the GPUs here fails before anything starts
     check_storage(args.storage)  # an unusable URL fails here, before anything is started or written
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
-                      args.concurrency)
+                      args.concurrency, device=setup)
     try:
         config = TuneConfig(problem=problem.spec, out=out, trials=args.trials, time_budget=time_budget,
                             strategy=args.strategy, objective=args.objective, storage=args.storage,
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
-                            trial_time_limit=trial_timeout)
+                            trial_time_limit=trial_timeout, hardware=hardware.name)
         printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
         tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
         storage = redact(args.storage) if args.storage else str(out / "study.journal")
         if not args.json_lines:
-            print(f"slapo-tune: {args.model} on {args.world_size} rank(s), budget {args.memory_budget} per rank, "
-                  f"strategy {config.strategy}, {config.trials} trial(s); {cluster.describe()}; study "
+            ranks = f"{args.world_size} {setup.name} rank(s), one GPU each" if setup.cuda else f"{args.world_size} cpu rank(s)"
+            print(f"slapo-tune: {args.model} on {ranks}, {precision}, budget {budget_text} per rank, "
+                  f"{hardware_line}, strategy {config.strategy}, {config.trials} trial(s), "
+                  f"{cluster.runner.concurrency} in flight; {cluster.describe()}; study "
                   f"'{tuner.study.study_name}' in {storage}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         summary = tuner.run()
@@ -135,8 +167,3 @@ def _mkdir(out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     return out
 
-
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import add_precision_argument, add_problem_arguments, problem_spec
+from ._common import (
+    add_device_argument,
+    add_precision_argument,
+    add_problem_arguments,
+    device_of,
+    problem_spec,
+)
 
 HELP = "check one schedule point against the unscheduled model on local ranks"
 
@@ -15,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_precision_argument(p, "fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    add_device_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,12 +29,14 @@ def run(args: argparse.Namespace) -> int:
     from ..launch import launch
     from . import EXIT_FAILED, EXIT_OK
 
-    problem = problem_spec(args, precision=args.precision or "fp32").resolve()
+    setup = device_of(args.device)
+    setup.check_world(args.world_size)  # one GPU per rank on cuda
+    problem = problem_spec(args, precision=args.precision or "fp32", device=setup.kind).resolve()
     plan = problem.plan(args.knobs or "")
-    print(f"verifying {args.model} with template {problem.template.describe()} on {args.world_size} rank(s), "
+    print(f"verifying {args.model} with template {problem.template.describe()} on {args.world_size} {setup.kind} rank(s), "
           f"{problem.workload.precision}: {','.join(f'{k}={v}' for k, v in plan.items())}")
     results = launch(verify_point, args.world_size, args=(problem.spec, plan.knobs(), args.seed),
-                     timeout=args.timeout)
+                     timeout=args.timeout, backend=setup.backend)
     ok = all(r["ok"] for r in results)
     for r in results:
         if r["ok"]:

@@ -27,7 +27,7 @@ from .analytic import (
     time_terms,
 )
 from .calibration import Calibration
-from .hardware import PRESETS, Hardware, hardware
+from .hardware import PRESETS, Hardware, detect_hardware, hardware, hardware_for
 
 
 @dataclass
@@ -141,5 +141,5 @@ def _fmt(n: float) -> str:
 
 __all__ = [
     "PRESETS", "Calibration", "CostModel", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
-    "PeakTracker", "TimePrediction", "Verdict", "hardware", "layout_of", "tracked_step",
+    "PeakTracker", "TimePrediction", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of", "tracked_step",
 ]

@@ -12,10 +12,14 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..device import DeviceSetup
 
 GiB = 2**30
 
@@ -66,6 +70,9 @@ PRESETS: dict[str, Hardware] = {
     "h200": Hardware("h200", 141 * GiB, 450e12, 400e9, 50e9, 6e-6, memory_bandwidth=4.8e12),
     "v100-32gb": Hardware("v100-32gb", 32 * GiB, 60e12, 130e9, 12e9, 10e-6, memory_bandwidth=0.9e12),
 }
+# the GPU model each preset describes, as it appears in torch.cuda.get_device_properties(i).name
+# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200", "Tesla V100-SXM2-32GB")
+PRESET_MODELS = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-80gb": "h100", "h200": "h200", "v100-32gb": "v100"}
 
 
 def _cache_dir() -> Path:
@@ -144,10 +151,13 @@ def _collective_rank(ctx, sizes):
 
 def measure_collectives(world_size: int = 2) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of gloo all-reduce between local processes (alpha-beta fit)."""
+    from ..device import device_setup
     from ..launch import launch
 
     sizes = [4096, 1 << 18, 1 << 21]
-    times = launch(_collective_rank, world_size, args=(sizes,), timeout=120, threads_per_rank=1)[0]
+    # this CPU's collectives (gloo), also on a machine with GPUs
+    times = launch(_collective_rank, world_size, args=(sizes,), timeout=120, threads_per_rank=1,
+                   backend=device_setup("cpu").backend)[0]
     factor = 2 * (world_size - 1) / world_size  # ring all-reduce moves this many bytes per byte
     slope = (times[-1] - times[0]) / ((sizes[-1] - sizes[0]) * factor)
     bandwidth = 1.0 / max(slope, 1e-12)
@@ -188,6 +198,43 @@ def _physical_memory() -> int:
         return 16 * GiB
 
 
+def detect_hardware(name: str, memory: int) -> tuple[Hardware, str]:
+    """The preset for a GPU described by its ``name`` and ``memory`` in bytes (what
+    ``torch.cuda.get_device_properties(i)`` reports as ``.name`` and ``.total_memory``), with the
+    device's own memory, and one line saying what was chosen.
+
+    A GPU of a preset's model gets that model's preset closest in memory (an A100 of 40 or 80 GB).
+    An unknown GPU gets the preset closest in memory, as a fallback the line names, with a pointer to
+    ``--hardware``: its rates may be far from the device's."""
+    lowered = name.lower()
+    size = f"{memory / GiB:.1f} GiB"
+    same_model = [key for key, model in PRESET_MODELS.items() if model in lowered]
+
+    def closest(keys):
+        return min(keys, key=lambda key: (abs(PRESETS[key].memory - memory), key))
+
+    if same_model:
+        key = closest(same_model)
+        line = f"hardware {key} (detected: {name}, {size})"
+    else:
+        key = closest(PRESETS)
+        line = (f"hardware {key} (fallback: {name}, {size}, matches no preset; {key} is the closest in memory, "
+                f"choose another with --hardware)")
+    return replace(PRESETS[key], memory=memory), line
+
+
+def hardware_for(setup: DeviceSetup) -> tuple[Hardware, str]:
+    """The hardware of the devices ranks run on: this CPU (measured) on ``cpu``, the visible GPU's
+    preset (:func:`detect_hardware`) on ``cuda``; with the one line saying what was chosen."""
+    if not setup.cuda:
+        return measure_cpu(), "hardware cpu (this machine, measured)"
+    if not setup.gpus:
+        raise UsageError(f"no GPU is visible here to detect the hardware from: give --hardware "
+                         f"({', '.join(PRESETS)})")
+    smallest = min(setup.gpus, key=lambda g: g.memory)
+    return detect_hardware(smallest.name, smallest.memory)
+
+
 def hardware(name: str, memory: int | None = None) -> Hardware:
     """A preset by name (``cpu`` measures this machine); ``memory`` overrides the device memory."""
     if name == "cpu":
@@ -195,5 +242,5 @@ def hardware(name: str, memory: int | None = None) -> Hardware:
     elif name in PRESETS:
         hw = PRESETS[name]
     else:
-        raise UsageError(f"unknown device '{name}' (devices: cpu, {', '.join(PRESETS)})")
+        raise UsageError(f"unknown hardware '{name}' (choose from cpu, {', '.join(PRESETS)})")
     return replace(hw, memory=memory) if memory is not None else hw

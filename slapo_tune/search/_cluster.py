@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._atomic import atomic_write_text
+from ..device import DeviceSetup, default_concurrency, device_setup
 from ..errors import UsageError
 
 HEAD_FILE = ".ray_head.json"
@@ -48,7 +49,8 @@ class Cluster:
 
     def stop(self) -> None:
         """Disconnect; stop the head this tuner started (by its PID), so nothing is left running."""
-        self.runner.close()
+        if self.runner is not None:  # None: given up before it had a runner
+            self.runner.close()
         if self.kind == "none":
             return
         import ray
@@ -172,17 +174,20 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
         raise UsageError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
 
 
-def connect(ray_address: str, out: Path, world_size: int, concurrency: int | None) -> Cluster:
+def connect(ray_address: str, out: Path, world_size: int, concurrency: int | None,
+            device: DeviceSetup | None = None) -> Cluster:
     """A runner for ``--ray-address``: ``none`` (local processes), ``local`` (a head this tuner
-    starts or re-attaches to), or the address of a running cluster."""
+    starts or re-attaches to), or the address of a running cluster. ``device``: where the ranks run
+    (default: this machine's CPU); trials in flight default to what its devices hold
+    (:func:`slapo_tune.device.default_concurrency`: GPUs // world size on CUDA, cores on CPU)."""
     from runners import LocalRunner
 
     from ..launch import usable_cores
 
+    device = device or device_setup("cpu")
     cores = len(usable_cores())
     if ray_address == "none":
-        c = concurrency or max(1, cores // world_size)
-        return Cluster(LocalRunner(concurrency=c), "none")
+        return Cluster(LocalRunner.for_device(device, world_size, concurrency), "none")
     if ray_address == "local":
         os.environ["RAY_AUTH_MODE"] = "token"  # before Ray reads its configuration (see start_head)
     try:
@@ -206,16 +211,27 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             stop_head(pid)
             head_file.unlink(missing_ok=True)
             raise
-        return Cluster(RayRunner(concurrency=_fit(concurrency, world_size)), "local-ray", address, dashboard, pid,
-                       head_file)
-    _connect(ray_address, 3.0, namespace)
-    return Cluster(RayRunner(concurrency=_fit(concurrency, world_size)), "ray", ray_address, None)
+        cluster = Cluster(None, "local-ray", address, dashboard, pid, head_file)
+    else:
+        _connect(ray_address, 3.0, namespace)
+        cluster = Cluster(None, "ray", ray_address, None)
+    try:
+        cluster.runner = RayRunner(concurrency=_fit(concurrency, world_size, device))
+    except UsageError:  # a world the cluster's GPUs cannot hold: leave nothing running
+        cluster.stop()
+        raise
+    return cluster
 
 
-def _fit(concurrency: int | None, world_size: int) -> int:
-    """Trials in flight: as asked, else as many as the cluster's CPUs hold at one CPU per rank."""
+def _fit(concurrency: int | None, world_size: int, device: DeviceSetup) -> int:
+    """Trials in flight: as asked, else as many as the cluster holds: on CUDA at one GPU per rank
+    (a world larger than its GPUs is a UsageError, also with ``concurrency`` given), on CPU at one
+    CPU per rank."""
     import ray
 
-    if concurrency:
-        return concurrency
-    return max(1, int(ray.cluster_resources().get("CPU", 1) // world_size))
+    resources = ray.cluster_resources()
+    if device.cuda:
+        fit = default_concurrency("cuda", world_size, int(resources.get("GPU", 0)))
+    else:
+        fit = default_concurrency("cpu", world_size, int(resources.get("CPU", 1)))
+    return concurrency or fit

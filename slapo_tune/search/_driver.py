@@ -51,6 +51,9 @@ class TuneConfig:
     warmup_steps: int = 1
     measured_steps: int = 3
     trial_time_limit: float = 300.0
+    # the cost model's hardware preset (cpu, a100-80gb, ...; see slapo_tune.cost_model.hardware);
+    # None: the devices trials run on (this CPU measured, or the visible GPU's preset)
+    hardware: str | None = None
 
     @property
     def multi_objective(self) -> bool:
@@ -97,7 +100,8 @@ class Tuner:
     def __init__(self, config: TuneConfig, runner, *, problem: Problem | None = None,
                  report: Callable[[dict], None] | None = None, write_outputs: bool = True,
                  sampler: BaseSampler | None = None):
-        from ..cost_model import CostModel, hardware
+        from ..cost_model import CostModel, hardware, hardware_for
+        from ..device import device_setup
         from ._outputs import Outputs
 
         if not config.problem.memory_budget:
@@ -106,7 +110,9 @@ class Tuner:
         self.config = replace(config, problem=self.problem.spec)  # the problem's defaults filled in
         self.runner, self.report = runner, report or (lambda _event: None)
         self.space, self.workload, self.template = self.problem.space, self.problem.workload, self.problem.template
-        self.cost = CostModel(self.problem, hardware(self.problem.spec.device))
+        device = (hardware(config.hardware) if config.hardware
+                  else hardware_for(device_setup(self.problem.spec.device, here=False))[0])
+        self.cost = CostModel(self.problem, device)
         self._known = KnownReader()  # what the study knows: point key -> status, told values, running
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
                                                           rank=self._predicted_throughput, known=self._known)

@@ -42,6 +42,7 @@ def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
                "samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
                "step_s_median": _median(result.get("step_times")), "step_spread": result.get("spread"),
                "peak_memory": max(peaks) if peaks else None,
+               "peak_reserved": max(result.get("peak_reserved") or [0]) or None,  # CUDA only
                "peak_rss": max(result.get("peak_rss") or [0]) or None,
                "predicted_peak": predicted.get("peak"), "predicted_step_s": predicted.get("step_s"),
                "wait_fraction": result.get("wait_fraction"), "wall_s": result.get("wall_seconds"),
@@ -127,7 +128,8 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial) -> dict[s
         model={"name": p.model, "overrides": dict(p.model_overrides),
                "fingerprint": config_fingerprint(problem.config)},
         measured={"samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
-                  "peak_memory": result.get("peak_memory"), "step_times": result.get("step_times"),
+                  "peak_memory": result.get("peak_memory"), "peak_reserved": result.get("peak_reserved"),
+                  "step_times": result.get("step_times"),
                   "trial": trial.number},
         predicted={"peak_memory": predicted.get("peak"), "step_seconds": predicted.get("step_s")},
         study=study_name,
