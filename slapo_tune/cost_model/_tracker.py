@@ -9,6 +9,7 @@ Used alike on fake tensors (exact mode) and on real ones (measured ground truth)
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -65,6 +66,10 @@ class PeakTracker:
         self.peak = 0
         self.at_peak = dict(self.current)
         self._live: dict[int, tuple[object, int, str]] = {}
+        # a collective's buffer can die in the backend's thread (gloo lets go of it when its work
+        # completes): its weak-reference callback runs there, so the running totals are updated
+        # under a lock (a lost update would leave the total high for the rest of the step)
+        self._lock = threading.RLock()
         self._in_optimizer = False
         self._mode = None
         self._hooks = []
@@ -87,29 +92,33 @@ class PeakTracker:
         nbytes = storage.nbytes()
 
         def gone(_, key=key):
-            entry = self._live.pop(key, None)
-            if entry is not None:
-                self.current[entry[2]] -= entry[1]
-                self.total -= entry[1]
+            with self._lock:
+                entry = self._live.pop(key, None)
+                if entry is not None:
+                    self.current[entry[2]] -= entry[1]
+                    self.total -= entry[1]
 
-        self._live[key] = (weakref.ref(storage, gone), nbytes, category)
-        self._grow(category, nbytes)
+        with self._lock:
+            self._live[key] = (weakref.ref(storage, gone), nbytes, category)
+            self._grow(category, nbytes)
 
     def _grow(self, category: str, nbytes: int) -> None:
-        self.current[category] += nbytes
-        self.total += nbytes
-        if self.total > self.peak:
-            self.peak = self.total
-            self.at_peak = dict(self.current)
+        with self._lock:
+            self.current[category] += nbytes
+            self.total += nbytes
+            if self.total > self.peak:
+                self.peak = self.total
+                self.at_peak = dict(self.current)
 
     def _resized(self, storage, new_nbytes: int) -> None:
         """FSDP frees and refills unsharded parameters by resizing their storage in place."""
-        entry = self._live.get(id(storage))
-        if entry is None:
-            return
-        ref, old, category = entry
-        self._live[id(storage)] = (ref, new_nbytes, category)
-        self._grow(category, new_nbytes - old)
+        with self._lock:
+            entry = self._live.get(id(storage))
+            if entry is None:
+                return
+            ref, old, category = entry
+            self._live[id(storage)] = (ref, new_nbytes, category)
+            self._grow(category, new_nbytes - old)
 
     def track(self, module: torch.nn.Module, optimizer=None) -> None:
         """Count what already exists: parameters, buffers, gradients and optimizer state."""
