@@ -101,8 +101,9 @@ def run(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4), tim
 
         fit_samples = []
         for (world, p), peaks in zip(samples_points, samples_peaks):
-            layout = CostModel(problems[world], device).layout
-            for st in memory_terms(layout, p, problems[world].workload):
+            model = CostModel(problems[world], device)
+            # the collective backend's temporaries (gloo's reduce-scatter copy) are part of the peak
+            for st in memory_terms(model.layout, p, problems[world].workload, model.backend):
                 fit_samples.append((st.events, peaks[st.stage]))
         calibration = cal.fit(fit_samples)
         # the time model's weights from the calibration points' measured steps (disjoint from the evaluated)
@@ -180,7 +181,8 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
             model = CostModel(problem, device)
             for p in calibration:
                 peaks = {s: b.total for s, b in model.exact(p).items()}
-                fit_samples += [(st.events, peaks[st.stage]) for st in memory_terms(model.layout, p, problem.workload)]
+                fit_samples += [(st.events, peaks[st.stage])
+                                for st in memory_terms(model.layout, p, problem.workload, model.backend)]
         calibration = cal.fit(fit_samples)
         calibration.time_weights = previous[label]["calibration"]["time_weights"]
         calibration.time_points = previous[label]["calibration"]["time_points"]

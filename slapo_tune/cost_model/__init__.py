@@ -48,19 +48,22 @@ class CostModel:
         self.template, self.workload = problem.template, problem.workload
         self.layout = layout or _layout(problem)
         self.precision = self.workload.precision
+        # the collective backend the ranks would use: its temporaries are part of the peak (gloo
+        # reduce-scatters on a full-size copy of the input; NCCL in place)
+        self.backend = "gloo" if device.cores else "nccl"
         self.calibration = calibration or _calibration.load(device.name, self.layout.family, self.precision) or Calibration()
 
     # ------------------------------------------------------------------ memory
     def memory(self, point: Mapping[str, Any]) -> MemoryPrediction:
         """Analytic peak per stage (calibrated weights where available)."""
         return predict_memory(self.layout, point, self.workload, self.calibration.weights,
-                              self.calibration.uncertainty)
+                              self.calibration.uncertainty, self.backend)
 
     def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
         """Exact peak per stage (one fake step per stage)."""
         from .exact import exact_memory
 
-        return exact_memory(self.problem, point, backend="gloo" if self.device.cores else "nccl")
+        return exact_memory(self.problem, point, backend=self.backend)
 
     def verdict(self, point: Mapping[str, Any], budget: int, exact: bool = False,
                 prediction: MemoryPrediction | None = None) -> Verdict:
@@ -87,7 +90,7 @@ class CostModel:
             {s: b.total for s, b in self.exact(p).items()} for p in points]
         samples = []
         for point, per_stage in zip(points, peaks):
-            terms = memory_terms(self.layout, point, self.workload)
+            terms = memory_terms(self.layout, point, self.workload, self.backend)
             for st in terms:
                 if st.stage in per_stage:
                     samples.append((st.events, per_stage[st.stage]))
@@ -141,5 +144,6 @@ def _fmt(n: float) -> str:
 
 __all__ = [
     "PRESETS", "Calibration", "CostModel", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
-    "PeakTracker", "TimePrediction", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of", "tracked_step",
+    "PeakTracker", "TimePrediction", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of",
+    "tracked_step",
 ]

@@ -5,20 +5,26 @@ sizes and the point's knobs (tensor parallelism divides what it shards, checkpoi
 only their input, a GPipe stage holds all its micro-batches in flight, a 1F1B stage ``s`` holds
 ``pp - s``, the last stage also holds the logits...). The weights are how many times a term's
 bytes are alive at the peak; defaults come from the textbook counts and :mod:`.calibration`
-fits them to exact-mode (or measured) points per device, model family and dtype.
+fits them to exact-mode (or measured) points per device, model family and precision. Model
+states follow the precision (fp32, amp-bf16, bf16 with fp32 master weights) and the ZeRO level
+(:func:`model_state_bytes`); what FSDP gathers and buffers during a step follows the level and
+whether a pipeline defers its reduction (:func:`memory_terms`).
 
 Time is compute (FLOPs at an achievable rate, recomputation included) plus a fixed cost per block
-and micro-batch, plus tensor-parallel, data-parallel and pipeline communication (alpha-beta), with
-the pipeline bubble: good enough to rank points.
+and micro-batch, plus tensor-parallel, data-parallel (per ZeRO level: all-reduce, or all-gathers in
+the compute dtype and fp32 reduce-scatters) and pipeline communication (alpha-beta), with the
+pipeline bubble: good enough to rank points.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from .._atomic import atomic_write_text
@@ -27,12 +33,18 @@ from ..template import Template
 from .hardware import Hardware, _cache_dir
 
 MEMORY_TERMS = (
-    "weights",  # parameters held by the rank (sharded by tp, and by dp under zero=3)
-    "gradients",  # their gradients, alive from the first micro-batch on when accumulating
+    "weights",  # parameters the rank holds between steps (sharded by tp; by dp under zero>=1: fp32 shards)
+    "master",  # bf16: fp32 master weights (replicated: beside the bf16 weights; sharded: the shards)
+    "gradients",  # fp32 gradients alive across micro-batches: whole (zero 0-1, pipelined) or shards (2-3)
     "gradients_single",  # the same without accumulation: created while activations are freed
-    "optimizer",  # AdamW's two moments per held parameter
+    "grads_unsharded",  # FSDP: gradients backward just made, in the compute dtype, before upcast or reduction
+    "optimizer",  # AdamW's two fp32 moments per held parameter
     "optimizer_temp",  # the optimizer step's temporaries: a few copies of the largest parameter
-    "gathered",  # zero=3: a block (and its prefetched successor) plus the stage root, unsharded
+    "gathered",  # FSDP: parameters gathered whole in the compute dtype (zero 1-2: the stage; 3: a block)
+    "ag_buffer",  # FSDP: flat all-gather buffers, kept until the next unit's copy-out (or prefetched)
+    "rs_buffer",  # FSDP: a reduce-scatter's fp32 input (whole unit) and output (its shard) buffers
+    "rs_copy",  # gloo: the full-size copy of a reduce-scatter's input it reduces on (NCCL: none)
+    "compute_copies",  # amp-bf16: autocast's bf16 copies of the weights (cached all step where replicated)
     "act_replicated",  # per-token activations every tp rank keeps (norm inputs, residuals)
     "act_parallel",  # per-token activations inside the tensor-parallel region (Q/K/V, MLP width)
     "act_scores",  # what attention keeps per score element (eager: softmax; fused SDPA: none)
@@ -68,11 +80,17 @@ def combine(events: Mapping[str, Mapping[str, float]], weights: Mapping[str, flo
 # follow Korthikanti et al. 2022: ~17 hidden-sized tensors per token and layer for GPT-style blocks).
 DEFAULT_WEIGHTS = {
     "weights": 1.0,
+    "master": 1.0,
     "gradients": 1.0,
     "gradients_single": 1.0,
+    "grads_unsharded": 1.0,
     "optimizer": 1.0,
     "optimizer_temp": 2.0,
     "gathered": 1.0,
+    "ag_buffer": 1.0,
+    "rs_buffer": 1.0,
+    "rs_copy": 1.0,
+    "compute_copies": 1.0,
     "act_replicated": 1.0,
     "act_parallel": 1.0,
     "act_scores": 1.0,
@@ -301,8 +319,31 @@ def activation_probe(config, template: Template | None = None, fusion: bool = Fa
 
 from .._data_parallel import _BUCKET_BYTES as DP_BUCKET_BYTES  # noqa: E402
 
-PARAM_BYTES = 4  # parameters and gradients are fp32 (16-bit training computes under autocast)
-MOMENT_BYTES = 8  # AdamW's two fp32 moments: with them, 16 bytes of model state per parameter
+# Bytes per parameter of the model states (slapo_tune.precision). Gradients are fp32 at every
+# precision: fp32 parameters' own, bf16's master gradients, or FSDP's reduce dtype (fp32).
+GRAD_BYTES = 4
+MASTER_BYTES = 4  # bf16: fp32 master weights (MasterWeights where replicated, FSDP's fp32 shards where sharded)
+SHARD_BYTES = 4  # FSDP's parameter shards are fp32 at every precision (the masters under bf16)
+MOMENT_BYTES = 8  # AdamW's two fp32 moments
+
+
+@functools.lru_cache(maxsize=64)
+def model_state_bytes(precision_name: str, zero: int, dp: int) -> Mapping[str, float]:
+    """Bytes per parameter of each model state held between steps, the closed forms of ZeRO:
+    replicated fp32 / amp-bf16 16 (weights 4, gradients 4, AdamW 8), bf16 18 (bf16 weights 2,
+    fp32 master 4, gradients 4, AdamW 8); sharded (``zero`` >= 1 over ``dp`` > 1 ranks) 16 / dp
+    at every precision (fp32 shards 4, gradient shards 4, AdamW 8; under bf16 the shards are the
+    masters and the bf16 weights exist only gathered)."""
+    from ..precision import precision
+
+    mode = precision(precision_name)
+    if zero and dp > 1:
+        states = {"weights": 0.0 if mode.master else SHARD_BYTES / dp, "master": MASTER_BYTES / dp if mode.master else 0.0,
+                  "gradients": GRAD_BYTES / dp, "optimizer": MOMENT_BYTES / dp}
+    else:
+        states = {"weights": float(mode.param_bytes), "master": float(MASTER_BYTES) if mode.master else 0.0,
+                  "gradients": float(GRAD_BYTES), "optimizer": float(MOMENT_BYTES)}
+    return MappingProxyType(states)  # cached: read-only
 
 
 def activation_bytes(name: str) -> int:
@@ -319,10 +360,13 @@ def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[i
     GPipe runs every forward first; 1F1B's warm-up holds ``pp - stage``, and every later forward
     refills that many, as long as forwards remain.
     """
-    pp, m = point["pp"], micro_batches
+    return _flights(point["pp"], point["pipeline_schedule"], stage, micro_batches)
+
+
+def _flights(pp: int, schedule: str, stage: int, m: int) -> tuple[int, int]:
     if pp == 1:
         return 1, 1
-    if point["pipeline_schedule"] == "gpipe":
+    if schedule == "gpipe":
         return m, max(1, m - 1)
     warmup = min(pp - stage, m)
     return warmup, warmup if m > warmup else max(1, warmup - 1)
@@ -346,21 +390,72 @@ def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp
 @dataclass
 class StageTerms:
     stage: int
-    terms: dict[str, float]  # each term's largest byte count over the events
-    params: int  # parameters held by the rank
-    events: dict[str, dict[str, float]] = field(default_factory=dict)  # what is alive at each moment
+    params: int  # parameters held by the rank (its shard under sharded data parallelism)
+    base: dict[str, float] = field(default_factory=dict)  # alive all step (model states, receive buffers)
+    moments: dict[str, dict[str, float]] = field(default_factory=dict)  # what else is alive at each moment
+    _events: dict[str, dict[str, float]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def events(self) -> dict[str, dict[str, float]]:
+        """Everything alive at each moment of the step (the base with each moment's own terms)."""
+        if self._events is None:
+            self._events = {name: {**self.base, **terms} for name, terms in self.moments.items()}
+        return self._events
+
+    def peak(self, weights: Mapping[str, float]) -> tuple[float, str]:
+        """The largest weighted sum over the events, and that event (:func:`combine`, without
+        summing the base once per event)."""
+        total, name = combine(self.moments, weights)
+        return total + sum(weights[k] * v for k, v in self.base.items()), name
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """Each term's largest byte count over the events."""
+        out: dict[str, float] = {}
+        for terms in self.events.values():
+            for k, v in terms.items():
+                if v > out.get(k, 0.0):
+                    out[k] = v
+        return out
 
 
-def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> list[StageTerms]:
-    """The byte count of every memory term, per pipeline stage."""
-    tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    b, s, B = point["micro_batch"], workload.seq_len, activation_bytes(workload.precision)
-    P = PARAM_BYTES
-    m = accumulation(workload, point["dp"], point["micro_batch"])
+def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
+                 backend: str = "nccl", stages: Iterable[int] | None = None) -> list[StageTerms]:
+    """The byte count of every memory term at each event of a step, per pipeline stage (of
+    ``stages`` only, if given). Moments another one outweighs term by term are left out.
+
+    Model states follow :func:`model_state_bytes`. During the step, data parallelism adds what
+    its ZeRO level keeps (see :mod:`slapo_tune._data_parallel`): level 0 averages whole fp32
+    gradients through flat buckets; FSDP (levels 1-3) gathers parameters in the compute dtype and
+    reduce-scatters fp32 gradients through a flat input buffer per unit (the whole stage at level
+    1, a block at levels 2 and 3). Level 1 keeps the stage gathered and its gradients whole until
+    the step's one reduce-scatter; level 2 keeps the stage gathered from forward to the end of each
+    micro-batch's backward, reducing block by block; level 3 gathers a block at a time (and
+    prefetches the next). Under pipelining the schedule defers every level's reduction and
+    resharding to the step's last backward. ``backend`` ``gloo`` also counts the full-size copy gloo
+    makes of a reduce-scatter's input (it has no reduce-scatter of its own); NCCL reduces in place.
+    """
+    from ..precision import precision
+
+    # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
+    tp, pp, dp, b = point["tp"], point["pp"], point["dp"], point["micro_batch"]
+    zero, ratio, schedule, attn, fuse = (point["zero"], point["ckpt_ratio"], point["pipeline_schedule"], point["attn"],
+                                         point["fuse"])
+    mode = precision(workload.precision)
+    s, B = workload.seq_len, mode.activation_bytes
+    Pb = mode.param_bytes  # what the model computes with: held (replicated) or gathered (FSDP)
+    G = GRAD_BYTES
+    m = accumulation(workload, dp, b)
+    level = zero if dp > 1 else 0  # the ZeRO level in effect: nothing is sharded over one rank
+    sharded = level > 0
+    # torch's pipeline schedule turns FSDP's gradient sync and resharding after backward off until
+    # the step's last backward (with one micro-batch, the first backward is the last)
+    deferred = sharded and pp > 1 and m > 1
+    gpipe = schedule == "gpipe"
+    gloo = backend == "gloo"
+    state_bytes = model_state_bytes(workload.precision, level, dp)
     per_stage = layout.layers // pp
-    ckpt_per_stage = checkpointed_per_stage(point["ckpt_ratio"], layout.layers, pp)
-    sharded = point["zero"] == 3 and dp > 1
-    zero_div = dp if sharded else 1
+    ckpt_per_stage = checkpointed_per_stage(ratio, layout.layers, pp)
     q = layout.heads * layout.head_dim
     kv = layout.kv_heads * layout.head_dim
     attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
@@ -368,28 +463,33 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     tokens = b * s
     # a block's saved bytes per token, measured by the probe (fp32): the part every tensor-parallel
     # rank keeps and the part it divides; the textbook counts where the model could not be probed
-    key = f"{point['attn']}/{point['fuse']}"
+    key = f"{attn}/{fuse}"
     fused_extra = 0.0
     if f"{key}/rep" in layout.token_bytes:
         rep_bytes, par_bytes = layout.token_bytes[f"{key}/rep"], layout.token_bytes[f"{key}/par"]
-    elif f"{point['attn']}/off/rep" in layout.token_bytes:
-        rep_bytes, par_bytes = layout.token_bytes[f"{point['attn']}/off/rep"], layout.token_bytes[f"{point['attn']}/off/par"]
-        fused_extra = layout.intermediate * 4 if point["fuse"] == "on" else 0.0
+    elif f"{attn}/off/rep" in layout.token_bytes:
+        rep_bytes, par_bytes = layout.token_bytes[f"{attn}/off/rep"], layout.token_bytes[f"{attn}/off/par"]
+        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
     else:
         rep_bytes, par_bytes = 4 * 5 * layout.hidden, 4 * (attn_width + mlp_width)
-        fused_extra = layout.intermediate * 4 if point["fuse"] == "on" else 0.0
+        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
     scale = B / 4
     rep_1 = tokens * rep_bytes * scale
     par_1 = tokens * par_bytes / tp * scale
-    score_bytes = layout.score_bytes.get(point["attn"], 8.0 if point["attn"] == "eager" else 0.0)
+    score_bytes = layout.score_bytes.get(attn, 8.0 if attn == "eager" else 0.0)
     scores_1 = b * (layout.heads / tp) * s * s * score_bytes * scale
     fused_1 = tokens * fused_extra / tp * scale
     temp_1 = tokens * layout.intermediate / tp * B  # one MLP-wide gradient, alive in a block's backward
     hidden_1 = tokens * layout.hidden * B
     block = layout.block_sharded / tp + layout.block_replicated
     largest = max(layout.block_sharded / 4, layout.pre_sharded, layout.post_sharded) / tp
-    out = []
-    for stage in range(pp):
+    # amp-bf16: autocast's bf16 copies of the weights matrix products use. Replicated, its cache
+    # keeps one per weight for the whole step; under FSDP (cache off) each micro-batch in flight
+    # saves its own for backward, as an activation
+    copy_bytes = B if mode.autocast is not None else 0
+    head_matrix = (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
+
+    def stage_terms(stage: int) -> StageTerms:
         first, last = stage == 0, stage == pp - 1
         ckpt = ckpt_per_stage[stage]
         full = per_stage - ckpt
@@ -401,52 +501,134 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
             if layout.tied_head and not first:
                 ends += layout.pre_sharded / tp  # the last stage's copy of the tied embedding
         params = per_stage * block + ends
-        # The pipeline schedule runs every backward of a step without FSDP's gradient sync or
-        # resharding (torch.distributed.pipelining), then reduce-scatters once: until then, a
-        # zero=3 rank accumulates whole gradients, and the blocks it gathered in backward stay whole.
-        grads = params * P
-        grad_shards = params / dp * P if sharded else 0.0
-        # FSDP keeps the stage root (embeddings, head) gathered after forward; a block is gathered
-        # while it runs, next to the one prefetched
-        gathered_root = ends * P if sharded else 0.0
-        gathered_running = (2 * block + ends) * P if sharded else 0.0
-        fresh, held = flights(point, stage, m)
-        logits_fresh, logits_held = (fresh, held) if point["pipeline_schedule"] == "gpipe" and pp > 1 else (1, 1)
-        per_mb = {
+        shard = params / dp if sharded else params
+        grads = params * G  # the stage's whole fp32 gradients
+        grad_shards = shard * G
+        # the parameters whose gradients a last stage's backward makes first (the head, the final
+        # norm, a tied embedding); an untied embedding's come after the blocks'
+        head = layout.post_sharded / tp + layout.post_replicated + (layout.pre_sharded / tp if layout.tied_head else 0.0) \
+            if last else 0.0
+        fresh, held = _flights(pp, schedule, stage, m)
+        logits_fresh, logits_held = (fresh, held) if gpipe and pp > 1 else (1, 1)
+        per_mb = _nonzero({
             "act_replicated": rep_1 * full, "act_parallel": par_1 * full, "act_scores": scores_1 * full,
             "act_fused": fused_1 * full, "act_checkpointed": hidden_1 * ckpt,
-        }
-        base = {
-            "weights": params / zero_div * P,
-            "optimizer": params / zero_div * MOMENT_BYTES,
-            "gathered": gathered_root,
+            "compute_copies": copy_bytes * full * layout.block_sharded / tp if sharded else 0.0,
+        })
+        base = _nonzero({
+            "weights": params * state_bytes["weights"], "master": params * state_bytes["master"],
+            "optimizer": params * state_bytes["optimizer"],
             # torch's pipeline stages keep a receive buffer per micro-batch for the whole step
             "pp_recv": hidden_1 * m if not first else 0.0,
             "constant": 2**20,
-        }
+        })
+        cache = {} if sharded or not copy_bytes else {
+            "compute_copies": copy_bytes * (per_stage * layout.block_sharded / tp + (head_matrix if last else 0.0))}
+        whole = params * Pb  # the stage's parameters gathered
+        one = block * Pb  # one block gathered
+        root = ends * Pb  # the stage root (embeddings, final norm, head): FSDP keeps it gathered all step
+
+        def gathered(position: int, accumulated: bool) -> dict[str, float]:
+            """What FSDP holds gathered while the backward runs block ``position`` (``per_stage``:
+            before the stage's backward starts)."""
+            if not sharded:
+                return {}
+            if level < 3 and (level == 1 or deferred):
+                return {"gathered": whole}
+            if level == 2:  # blocks stay gathered from forward until their own backward ends
+                return {"gathered": min(position + 1, per_stage) * one + root,
+                        "rs_buffer": G * block if position < per_stage - 1 else 0.0}
+            # level 3: the running block and the next one's all-gather buffer (prefetched); deferred,
+            # what this backward gathered stays (in GPipe's later backwards, the whole stage)
+            running = {"ag_buffer": one if 0 < position < per_stage else 0.0}
+            if deferred:
+                blocks = per_stage if accumulated and gpipe else per_stage - position
+                return {"gathered": blocks * one + root, **running}
+            # the input buffer of the block reduced before this one is kept until the next reduce
+            return {"gathered": (one if position < per_stage else 0.0) + root, **running,
+                    "rs_buffer": G * block if position < per_stage - 1 else 0.0}
+
+        def gradients(position: int, accumulated: bool) -> dict[str, float]:
+            """The gradients alive while the backward runs block ``position``."""
+            made = (per_stage - 1 - position) * block + head  # parameters whose gradients this backward made
+            if not sharded:
+                return {"gradients": grads} if accumulated else _fresh_gradients(m, False, made * G)
+            if level == 1 or deferred:
+                # whole gradients until the step's reduce-scatter, fp32 once accumulated: FSDP upcasts
+                # bf16 gradients to its reduce dtype when a backward ends, so until then this
+                # backward's bf16 gradients are alive beside the fp32 ones
+                if not accumulated:
+                    return _fresh_gradients(m, False, made * Pb)
+                return {"gradients": grads, "grads_unsharded": made * Pb if Pb != G else 0.0}
+            # levels 2 and 3, one stage: blocks reduce-scattered as their backward ends; the running
+            # block's gradients and the root's (until the root's reduce at the end) unsharded
+            current = {"grads_unsharded": (block + head) * Pb}
+            if accumulated:
+                return {"gradients": grad_shards, **current}
+            return {**_fresh_gradients(m, False, (made - head) * G / dp), **current}
+
+        def reduce_scatter(unit: float, source: float) -> dict[str, float]:
+            """A unit's reduce-scatter at its largest: FSDP's fp32 input buffer, copied in from the
+            ``source`` bytes of gradients (counted by the caller, except under gloo: freed by then),
+            and its output; gloo reduces on a full-size copy of the input, NCCL in place (the larger
+            moment is then the copy-in, unless the output outweighs the source)."""
+            if gloo:
+                return {"rs_buffer": unit * G * (1 + 1 / dp), "rs_copy": unit * G}
+            return {"rs_buffer": unit * G + max(0.0, unit * G / dp - source)}
+
+        positions = _stage_ckpt_list(ratio, layout.layers, pp, stage)
+        top = per_stage - 1
+        recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
+
+        def after_top(flight: int) -> dict[str, float]:
+            """Activations once the stage's last block has finished its backward."""
+            if top in positions:
+                acts = {k: v * flight for k, v in per_mb.items()}
+                acts["act_checkpointed"] = hidden_1 * (ckpt * flight - 1)
+                return acts
+            acts = {k: v * (flight - 1) + v * (full - 1) / full for k, v in per_mb.items() if k != "act_checkpointed"}
+            acts["act_checkpointed"] = hidden_1 * ckpt * flight
+            return acts
+
+        forward = {} if not sharded else {"gathered": whole} if level < 3 else {"gathered": one + root}
         logits_1 = tokens * layout.vocab * B if last else 0.0
-        accumulated = {"gradients": grads if m > 1 else 0.0}
         events = {
             # the most micro-batches in flight, before this step's first backward: no gradients yet
-            "forward": {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
-                        "gathered": gathered_running},
+            "forward": {**cache, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
+                        **forward},
         }
-        recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
-        positions = sorted(_ckpt_positions(point, layout, stage))
-        head_grads = ends * P if last else 0.0  # the first gradients a last stage's backward makes
+        if sharded:
+            # the flat all-gather buffer of the unit just gathered and of the one before it, kept
+            # until the next copy-out (level 1: the stage's one unit, until the forward ends). Levels
+            # 1 and (pipelined) 2 gather the stage in the step's first forward only
+            forward["ag_buffer"] = whole if level == 1 else 2 * one
+            if level == 1 or (level == 2 and deferred):
+                events["forward_gather"] = {**cache, **per_mb, "logits": logits_1, **forward}
+            else:
+                events["forward"].update(forward)
+        if m > 1 and level >= 2 and not deferred:
+            # levels 2 and 3 gather again for every micro-batch, beside the accumulated gradient shards
+            events["forward_later"] = {"gradients": grad_shards, **{k: v * held for k, v in per_mb.items()},
+                                       "logits": logits_1 * logits_held, **forward}
         # the first backward runs with the most micro-batches in flight but no gradients yet; later
-        # ones with gradients (accumulating) beside fewer micro-batches
-        for suffix, flight, logits_flight, grads_alive in (("_first", fresh, logits_fresh, {}),
-                                                            ("", held, logits_held, accumulated)):
+        # ones with gradients (accumulating) beside fewer micro-batches (as many: one stage, a
+        # 1F1B stage holding fewer than all: the first backward's moments, dominated term by term,
+        # are left out)
+        variants = [("", held, logits_held, True)] if m > 1 else []
+        if m == 1 or (fresh, logits_fresh) != (held, logits_held):
+            variants.insert(0, ("_first", fresh, logits_fresh, False))
+        for suffix, flight, logits_flight, accumulated in variants:
             acts = {k: v * flight for k, v in per_mb.items()}
+            logits = logits_1 * logits_flight
+            alive = gradients(per_stage, True) if accumulated else {}
+            alive.pop("grads_unsharded", None)
             # the loss of a micro-batch: its logits' gradient (and a temporary) beside the logits
-            events["loss" + suffix] = {**base, **grads_alive, **acts, "logits": logits_1 * logits_flight,
-                                       "logits_grad": logits_1}
+            events["loss" + suffix] = {**cache, **alive, **acts, "logits": logits, "logits_grad": logits_1,
+                                       **gathered(per_stage, accumulated)}
             # the stage's backward starts: every activation alive, the block's gradient temporaries
-            # (and, under zero=3, the block gathered with the next one prefetched)
             events["backward_start" + suffix] = {
-                **base, **grads_alive, **acts, "logits": logits_1 * logits_flight, "backward_temp": temp_1,
-                "gathered": gathered_running, **_fresh_gradients(m, bool(grads_alive), head_grads)}
+                **cache, **acts, "logits": logits, "backward_temp": temp_1,
+                **gathered(top, accumulated), **gradients(top, accumulated)}
             # The backward walks the blocks last to first, freeing each one's activations. A
             # checkpointed block is rebuilt beside the full blocks before it and the gradients of
             # the blocks after it: the last such block has the most activations beside it, the
@@ -455,36 +637,86 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                                    ("backward_early", positions[0] if positions else -1)):
                 if position < 0 or (name == "backward_early" and position == positions[-1]):
                     continue
-                inputs_before = sum(1 for i in positions if i <= position)
+                inputs_before = bisect.bisect_right(positions, position)
                 full_before = position + 1 - inputs_before
-                after_grads = (per_stage - 1 - position) * block * P + head_grads
                 current = {k: v * (flight - 1) + v * full_before / full if full else v * (flight - 1)
                            for k, v in per_mb.items() if k != "act_checkpointed"}
                 current["act_checkpointed"] = hidden_1 * (ckpt * (flight - 1) + inputs_before)
-                # zero=3 keeps what its backward gathered: every block from the last to this one
-                gathered = (min(per_stage, per_stage - position + 1) * block + ends) * P if sharded else 0.0
                 # the stage holds a micro-batch's output (the logits) until its backward is done
-                events[name + suffix] = {**base, **grads_alive, **current, "logits": logits_1 * logits_flight,
-                                         "recompute": recompute, "backward_temp": temp_1, "gathered": gathered,
-                                         **_fresh_gradients(m, bool(grads_alive), after_grads)}
-        events.update({
-            # replicated data parallelism averages the gradients through flat buckets; zero=3
-            # reduce-scatters them block by block, every block still gathered from its backward
-            "gradient_sync": {**base, "gradients": grads + grad_shards if m > 1 else grad_shards,
-                              "gradients_single": grads if m == 1 else 0.0,
-                              "gathered": params * P if sharded else 0.0,
-                              "dp_buckets": min(grads, DP_BUCKET_BYTES) if dp > 1 and not sharded else 0.0},
-            # AdamW's temporaries, once activations are gone (zero=3: beside the gradient shards only)
-            "optimizer": {**base, "optimizer_temp": largest / zero_div * P,
-                          **({"gradients": grad_shards} if sharded else
-                             {"gradients": grads if m > 1 else 0.0, "gradients_single": grads if m == 1 else 0.0})},
-        })
-        # each term at its largest (the breakdown of a stage, and what tests check in closed form)
-        terms = {**base, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
-                 "logits_grad": logits_1, "recompute": recompute, "backward_temp": temp_1, **events["optimizer"], **accumulated,
-                 "gradients_single": grads if m == 1 else 0.0, **events["gradient_sync"]}
-        out.append(StageTerms(stage, terms, int(params / zero_div), events))
-    return out
+                events[name + suffix] = {**cache, **current, "logits": logits, "recompute": recompute,
+                                         "backward_temp": temp_1, **gathered(position, accumulated),
+                                         **gradients(position, accumulated)}
+            if level == 1 or deferred:
+                # the backward ends with every gradient of the stage made, the stage gathered, the
+                # other micro-batches in flight (FSDP then upcasts bf16 gradients, or reduces)
+                made = {"gradients": grads, "grads_unsharded": params * Pb if Pb != G else 0.0} if accumulated \
+                    else _fresh_gradients(m, False, params * Pb)
+                events["backward_end" + suffix] = {
+                    **cache, **{k: v * (flight - 1) for k, v in per_mb.items()},
+                    "logits": logits_1 * (logits_flight - 1), "gathered": whole, **made}
+            if level >= 2 and not deferred:
+                # levels 2 and 3: the first reduce-scatter of the backward (the last block's, just
+                # resharded), then the next block's backward beside its kept input buffer
+                after = after_top(flight)
+                reduced = {"gathered": top * one + root} if level == 2 else \
+                    {"gathered": root, "ag_buffer": one if top else 0.0}
+                # the root's gradients stay unsharded until its own reduce-scatter ends the backward
+                events["backward_reduce" + suffix] = {
+                    **after, **reduced, **(gradients(per_stage, True) if accumulated else {}),
+                    **reduce_scatter(block, block * Pb), "grads_unsharded": head * Pb + (0.0 if gloo else block * Pb)}
+                if top:
+                    events["backward_block" + suffix] = {
+                        **after, "backward_temp": temp_1, "recompute": recompute if top - 1 in positions else 0.0,
+                        **gathered(top - 1, accumulated), **gradients(top - 1, accumulated)}
+        if not sharded:
+            # replicated data parallelism averages the fp32 gradients through flat buckets (a bucket
+            # holds 32 MiB of gradients, or one larger gradient)
+            sync = {("gradients" if m > 1 else "gradients_single"): grads,
+                    "dp_buckets": min(grads, max(DP_BUCKET_BYTES, largest * G)) if dp > 1 else 0.0}
+        elif level == 1:
+            # the stage's one reduce-scatter, once its gathered parameters are freed
+            unsharded = {"gradients": grads} if m > 1 else {"gradients_single": params * Pb}
+            sync = {**reduce_scatter(params, sum(unsharded.values())), **({} if gloo else unsharded)}
+        elif deferred:
+            # the step's last backward reduce-scatters block by block the gradients accumulated whole
+            # (the first block's move into the reduce-scatter's input), the rest of the stage still
+            # gathered: every block at level 2 and after GPipe's backwards; 1F1B's last stage has
+            # just resharded everything in its last forward and gathers again
+            regathered = level == 3 and not gpipe and fresh == 1
+            sync = {"gradients": grads - (block * G if gloo else 0.0), **after_top(1),
+                    **({"gathered": root, "ag_buffer": one} if regathered else {"gathered": whole - one}),
+                    **reduce_scatter(block, block * G)}
+        else:
+            # the root's reduce-scatter ends the backward, beside every block's gradient shards
+            sync = {("gradients" if m > 1 else "gradients_single"): grad_shards,
+                    **reduce_scatter(ends, ends * Pb), "grads_unsharded": 0.0 if gloo else ends * Pb}
+        events["gradient_sync"] = sync
+        # AdamW's temporaries (fp32: it steps fp32 parameters or masters), once activations are gone
+        step_grads = {"gradients": grad_shards} if sharded else {("gradients" if m > 1 else "gradients_single"): grads}
+        events["optimizer"] = {"optimizer_temp": largest / (dp if sharded else 1) * 4, **step_grads}
+        return StageTerms(stage, int(shard), base, events)
+
+    return [stage_terms(stage) for stage in (range(pp) if stages is None else stages)]
+
+
+def dominant_stages(layout: ModelLayout, point: Mapping[str, Any]) -> list[int]:
+    """The pipeline stages one of which has the peak, whatever the (non-negative) weights: the
+    first and the last, and of the stages between, the first of those checkpointing the same
+    blocks. Those hold no embeddings, head or logits, so their terms differ only in what they
+    checkpoint and in the micro-batches they hold, which never grow with the stage's index."""
+    pp, ratio = point["pp"], point["ckpt_ratio"]
+    chosen, seen = [0], set()
+    for stage in range(1, pp - 1):
+        positions = _stage_ckpt_positions(ratio, layout.layers, pp, stage)
+        if positions not in seen:
+            seen.add(positions)
+            chosen.append(stage)
+    return chosen + [pp - 1] if pp > 1 else chosen
+
+
+def _nonzero(terms: dict[str, float]) -> dict[str, float]:
+    """The terms that hold bytes (events stay small: plan evaluates ~100k of them)."""
+    return {k: v for k, v in terms.items() if v}
 
 
 def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> dict[str, float]:
@@ -499,6 +731,11 @@ def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -
 
 
 @functools.lru_cache(maxsize=4096)
+def _stage_ckpt_list(ratio: float, total_layers: int, pp: int, stage: int) -> tuple[int, ...]:
+    return tuple(sorted(_stage_ckpt_positions(ratio, total_layers, pp, stage)))
+
+
+@functools.lru_cache(maxsize=4096)
 def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int) -> frozenset[int]:
     from ..parallelize import checkpointed_indices
 
@@ -509,17 +746,29 @@ def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int) 
 
 @dataclass
 class MemoryPrediction:
-    """Peak bytes per stage, the worst stage and its breakdown, and the model's uncertainty."""
+    """Peak bytes per stage, the worst stage and its breakdown, and the model's uncertainty.
 
-    per_stage: list[int]
+    Only the stages that can hold the peak are evaluated up front (:func:`dominant_stages`); the
+    others are when ``per_stage`` is first read."""
+
+    peaks: dict[int, int]  # peak bytes of the stages evaluated so far
     breakdown: dict[str, int]
     uncertainty: float
     params_per_rank: int
     worst_stage: int = 0
+    stages: int = 1
+    rest: Callable[[list[int]], dict[int, int]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def per_stage(self) -> list[int]:
+        missing = [s for s in range(self.stages) if s not in self.peaks]
+        if missing:
+            self.peaks.update(self.rest(missing))
+        return [self.peaks[s] for s in range(self.stages)]
 
     @property
     def peak(self) -> int:
-        return max(self.per_stage)
+        return self.peaks[self.worst_stage]
 
     @property
     def upper(self) -> int:
@@ -532,15 +781,20 @@ class MemoryPrediction:
 
 def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
                    weights: Mapping[str, float] | None = None,
-                   uncertainty: float = DEFAULT_UNCERTAINTY) -> MemoryPrediction:
+                   uncertainty: float = DEFAULT_UNCERTAINTY, backend: str = "nccl") -> MemoryPrediction:
     w = {**DEFAULT_WEIGHTS, **(weights or {})}
-    stages = memory_terms(layout, point, workload)
-    peaks = [combine(st.events, w) for st in stages]
-    totals = [total for total, _ in peaks]
-    worst = max(range(len(totals)), key=totals.__getitem__)
-    event = peaks[worst][1]
-    breakdown = {k: int(w[k] * v) for k, v in stages[worst].events[event].items() if v}
-    return MemoryPrediction([int(t) for t in totals], breakdown, uncertainty, stages[worst].params, worst)
+
+    def peaks_of(stages: Iterable[int]) -> tuple[list[StageTerms], list[tuple[float, str]]]:
+        terms = memory_terms(layout, point, workload, backend, stages)
+        return terms, [st.peak(w) for st in terms]
+
+    stages, peaks = peaks_of(dominant_stages(layout, point))
+    worst = max(range(len(peaks)), key=lambda i: peaks[i][0])
+    st, event = stages[worst], peaks[worst][1]
+    breakdown = {k: int(w[k] * v) for k, v in {**st.base, **st.moments[event]}.items() if v}
+    return MemoryPrediction({s.stage: int(total) for s, (total, _) in zip(stages, peaks)}, breakdown, uncertainty,
+                            st.params, st.stage, point["pp"],
+                            lambda missing: {s.stage: int(total) for s, (total, _) in zip(*peaks_of(missing))})
 
 
 # ---------------------------------------------------------------- time
@@ -567,8 +821,29 @@ def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce") -> floa
     return steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans)
 
 
+def fsdp_collectives(level: int, micro_batches: int, pp: int, schedule: str) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of a stage's parameters per step at ZeRO ``level`` 1-3.
+
+    One stage: level 1 gathers once and reduces once per step; level 2 gathers and reduces every
+    micro-batch; level 3 gathers twice (forward, backward) and reduces every micro-batch. A
+    pipeline defers reduction and resharding after backward to the step's last backward: level 1
+    and 2 gather once; level 3 still reshards after every forward, so each forward gathers and a
+    1F1B backward gathers again (GPipe's backwards all follow the last forward: one gathering).
+    """
+    m = micro_batches
+    if level == 1:
+        return 1, 1
+    if pp == 1 or m == 1:
+        return (m, m) if level == 2 else (2 * m, m)
+    if level == 2:
+        return 1, 1
+    return (m + 1 if schedule == "gpipe" else 2 * m), 1
+
+
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
     """Seconds per step of each time term (before weights)."""
+    from ..precision import precision
+
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
     b, s, B = point["micro_batch"], workload.seq_len, activation_bytes(workload.precision)
     m = accumulation(workload, point["dp"], point["micro_batch"])
@@ -593,16 +868,20 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     # repeat more often
     edges = [layout.pre_sharded / tp + layout.pre_replicated, layout.post_sharded / tp + layout.post_replicated]
     stage_params = per_stage * block_params + (sum(edges) if pp == 1 else max(edges))
-    grad_accumulation = m * 3 * stage_params * PARAM_BYTES / bandwidth if bandwidth else 0.0
+    grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if bandwidth else 0.0
     act_bytes = tokens * layout.hidden * B
     tp_comm = (m + pp - 1) * per_stage * 4 * _ring(act_bytes, tp, hw)
     pp_comm = 2 * (m + pp - 1) * (hw.latency + act_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
-    stage_param_bytes = per_stage * block_params * PARAM_BYTES
-    if dp > 1 and point["zero"] == 3:
-        dp_comm = (2 * m * _ring(stage_param_bytes, dp, hw, "all_gather")
-                   + _ring(stage_param_bytes, dp, hw, "all_gather"))
+    # data parallelism: level 0 all-reduces the fp32 gradients once per step; FSDP all-gathers the
+    # parameters in the compute dtype and reduce-scatters fp32 gradients, as often as its level
+    # reshards (see memory_terms)
+    level = point["zero"] if dp > 1 else 0
+    if level == 0:
+        dp_comm = _ring(stage_params * GRAD_BYTES, dp, hw)
     else:
-        dp_comm = _ring(stage_param_bytes, dp, hw)
+        gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
+        dp_comm = (gathers * _ring(stage_params * precision(workload.precision).param_bytes, dp, hw, "all_gather")
+                   + reduces * _ring(stage_params * GRAD_BYTES, dp, hw, "reduce_scatter"))
     return {"compute": compute, "overhead": overhead, "grad_accumulation": grad_accumulation, "tp_comm": tp_comm,
             "dp_comm": dp_comm, "pp_comm": pp_comm}
 

@@ -1,8 +1,10 @@
 """Fit the analytic model's term weights to exact-mode or measured peaks.
 
 Weights are fitted by non-negative least squares on *relative* errors (each point counts alike,
-small or large), then cached per (device, model family, dtype). The fit reports its own
-uncertainty: the largest relative residual on the calibration points, with a floor.
+small or large), then cached per (device, model family, precision): a precision decides the bytes
+of every model state and which terms exist at all (master weights, autocast's copies), so weights
+fitted under one say nothing of another. The fit reports its own uncertainty: the largest relative
+residual on the calibration points, with a floor.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 50) -> np.ndarray:
     return x
 
 
-# Model states are counted, not estimated: a parameter, its gradient and AdamW's two moments are
-# alive at the peak, whatever the data says; only the terms that depend on how PyTorch runs the
-# step (activations, temporaries) are fitted.
-FIXED_TERMS = ("weights", "gradients", "optimizer")
+# Model states are counted, not estimated: a parameter, its master copy, its gradient and AdamW's
+# two moments are alive at the peak, whatever the data says; only the terms that depend on how
+# PyTorch runs the step (activations, temporaries, FSDP's buffers) are fitted.
+FIXED_TERMS = ("weights", "master", "gradients", "optimizer")
 
 
 def fit(samples: Sequence[tuple[Mapping[str, Mapping[str, float]], float]], source: str = "exact",
@@ -120,22 +122,28 @@ def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, 
     return {k: float(v) for k, v in zip(TIME_TERMS, x)}
 
 
-def _cache_path(device: str, family: str, dtype: str) -> Path:
+# Bump when the analytic terms change meaning: calibrations cached before are then not loaded.
+# Version 2: terms per precision (not dtype: "bf16" used to mean autocast, now bf16 parameters with
+# fp32 masters) and per ZeRO level 0-3.
+CALIBRATION_VERSION = 2
+
+
+def _cache_path(device: str, family: str, precision: str) -> Path:
     root = Path(os.environ.get("SLAPO_TUNE_CACHE", Path.home() / ".cache" / "slapo-tune"))
     root.mkdir(parents=True, exist_ok=True)
-    return root / f"calibration-{device}-{family}-{dtype}.json"
+    return root / f"calibration-v{CALIBRATION_VERSION}-{device}-{family}-{precision}.json"
 
 
-def load(device: str, family: str, dtype: str) -> Calibration | None:
-    path = _cache_path(device, family, dtype)
+def load(device: str, family: str, precision: str) -> Calibration | None:
+    path = _cache_path(device, family, precision)
     try:
         return Calibration(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
 
-def save(calibration: Calibration, device: str, family: str, dtype: str) -> Path:
-    path = _cache_path(device, family, dtype)
+def save(calibration: Calibration, device: str, family: str, precision: str) -> Path:
+    path = _cache_path(device, family, precision)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(calibration.as_dict(), indent=1))
     os.replace(tmp, path)
