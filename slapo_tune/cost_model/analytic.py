@@ -346,13 +346,6 @@ def model_state_bytes(precision_name: str, zero: int, dp: int) -> Mapping[str, f
     return MappingProxyType(states)  # cached: read-only
 
 
-def activation_bytes(name: str) -> int:
-    """Bytes per element of the activations a precision keeps."""
-    from ..precision import precision
-
-    return precision(name).activation_bytes
-
-
 def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[int, int]:
     """Micro-batches whose activations a stage holds: at most, before its first backward; and
     at most once gradients exist (after the first backward, when accumulating).
@@ -844,8 +837,9 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     """Seconds per step of each time term (before weights)."""
     from ..precision import precision
 
+    mode = precision(workload.precision)
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    b, s, B = point["micro_batch"], workload.seq_len, activation_bytes(workload.precision)
+    b, s, B = point["micro_batch"], workload.seq_len, mode.activation_bytes
     m = accumulation(workload, point["dp"], point["micro_batch"])
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
@@ -880,7 +874,7 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
         dp_comm = _ring(stage_params * GRAD_BYTES, dp, hw)
     else:
         gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
-        dp_comm = (gathers * _ring(stage_params * precision(workload.precision).param_bytes, dp, hw, "all_gather")
+        dp_comm = (gathers * _ring(stage_params * mode.param_bytes, dp, hw, "all_gather")
                    + reduces * _ring(stage_params * GRAD_BYTES, dp, hw, "reduce_scatter"))
     return {"compute": compute, "overhead": overhead, "grad_accumulation": grad_accumulation, "tp_comm": tp_comm,
             "dp_comm": dp_comm, "pp_comm": pp_comm}
