@@ -13,8 +13,10 @@ BLOCKS = "transformer.h"
 
 TP_PLAN = {
     "transformer.wte": VocabParallel(),  # also shards the tied lm_head.weight
-    "transformer.h.*.attn": DivideAttr("split_size", "num_heads"),
-    "transformer.h.*.attn.c_attn": Colwise(num_fused=3),
+    # the input gradient is reduced (under sequence parallelism: the sequence gathered) at the
+    # attention module, which sees the hidden state as the block holds it
+    "transformer.h.*.attn": [DivideAttr("split_size", "num_heads"), ReduceInputGrad()],
+    "transformer.h.*.attn.c_attn": Colwise(num_fused=3, reduce_input_grad=False),
     "transformer.h.*.attn.c_proj": Rowwise(),
     # reduced at the MLP input, so c_fc can be decomposed and traced through for fusion
     "transformer.h.*.mlp": ReduceInputGrad(),

@@ -272,10 +272,20 @@ def build(
 
     Without a ``topology`` the model itself is returned. With one (see
     :func:`slapo_tune.topology.init_topology`) a :class:`~slapo_tune._pipeline.StageModule` is
-    returned, which :class:`slapo_tune.runtime.TrainStep` runs with micro-batching for any ``pp``.
+    returned, which :class:`slapo_tune.runtime.TrainStep` runs with micro-batching for any ``pp``;
+    a schedule cut into ``pp * vpp`` stages gives each rank ``vpp`` of them, interleaved
+    (:class:`~slapo_tune._pipeline.VirtualStages`).
     """
     from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
-    from ._pipeline import StageInfo, StageModule, make_stage, plan_stages, set_compute_dtype
+    from ._pipeline import (
+        StageInfo,
+        StageModule,
+        VirtualStages,
+        make_stage,
+        plan_stages,
+        set_compute_dtype,
+        structural_copy,
+    )
     from .precision import MasterWeights
     from .precision import precision as precision_named
 
@@ -299,30 +309,45 @@ def build(
         if mode.master:
             raise ScheduleError(f"build(): precision {precision} keeps master weights for a training step; "
                                 "pass a topology")
-    elif stages != topology.pp:
+    elif stages % topology.pp:
         cuts = ", ".join(f"'{plan.block_path(last)}'" for _, last in plan.stages[:-1]) if plan else "none"
         raise PipelineError(
-            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {cuts}) but pp={topology.pp}"
+            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {cuts}), which "
+            f"pp={topology.pp} ranks cannot share (an interleaved pipeline needs a multiple of pp)"
         )
+
+    def finish(model: nn.Module) -> None:
+        materialize(model, seed=seed, device=device)
+        if device is not None or dtype is not None:
+            model.to(device=device, dtype=dtype)
+        set_compute_dtype(model, mode.param_dtype if dtype is None else dtype)
+
     model = sch.mod
-    info = make_stage(model, plan, topology.pp_rank) if plan is not None else StageInfo(0, 1, "", "")
-    materialize(model, seed=seed, device=device)
-    if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
-    set_compute_dtype(model, mode.param_dtype if dtype is None else dtype)
     if topology is None:
+        finish(model)
         return model
-    stage = StageModule(model, info, topology)
+    # rank r of an interleaved pipeline runs stages r, r + pp, ...; every copy is made before any
+    # stage is cut (cutting changes the model in place)
+    indices = [topology.pp_rank + k * topology.pp for k in range(stages // topology.pp)]
+    models = [model] + [structural_copy(model) for _ in indices[1:]]
+    chunks = []
+    for index, copy in zip(indices, models, strict=True):
+        info = make_stage(copy, plan, index) if plan is not None else StageInfo(0, 1, "", "")
+        finish(copy)
+        chunks.append(StageModule(copy, info, topology))
+    stage = chunks[0] if len(chunks) == 1 else VirtualStages(chunks, topology)
     sharded = zero > 0 and topology.dp > 1
     stage.__dict__["zero"] = zero if sharded else 0
     stage.__dict__["master"] = MasterWeights(stage.parameters(), mode.param_dtype) if mode.master and not sharded \
         else None
     if sharded:
-        if plan is not None:
-            lo, hi = plan.stages[topology.pp_rank]
-            blocks = [model.get_submodule(plan.block_path(i)) for i in range(lo, hi + 1)]
-        else:
-            found = largest_module_list(model)
-            blocks = list(found[1]) if found else []
-        shard_data_parallel(stage, blocks, topology.dp_mesh(), zero, mode.mixed_precision_policy())
+        for index, chunk in zip(indices, chunks, strict=True):
+            if plan is not None:
+                lo, hi = plan.stages[index]
+                blocks = [chunk.model.get_submodule(plan.block_path(i)) for i in range(lo, hi + 1)]
+            else:
+                found = largest_module_list(chunk.model)
+                blocks = list(found[1]) if found else []
+            # each stage is its own FSDP root, as the pipeline schedule runs stages one at a time
+            shard_data_parallel(chunk, blocks, topology.dp_mesh(), zero, mode.mixed_precision_policy())
     return stage

@@ -11,6 +11,11 @@ works, and per-block checkpointing survives (export-traced stages freeze shapes 
 
 Which modules run before / after the blocks is learned from one forward pass under
 ``FakeTensorMode`` (no memory, no compute, communication disabled).
+
+Interleaved pipelines cut ``pp * vpp`` stages and give rank ``r`` the stages ``r, r + pp, ...``
+(:class:`VirtualStages`). Each is cut from its own structural copy of the model, made before any
+stage is cut: the copies share the parameter tensors (no memory), and each keeps only its stage's
+modules, so every stage is one module with one forward, as torch's multi-stage schedules expect.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import torch
 from torch import nn
 
 from . import _comm
-from ._build import record_init_owners
-from ._schedule import Schedule, state_of
+from ._build import _direct_tensors, record_init_owners
+from ._schedule import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, Schedule, state_of
 from .errors import PipelineError
 
 
@@ -293,9 +298,30 @@ def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
     return info
 
 
+def structural_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules (and what the schedule stored on them) that shares its
+    parameter and buffer tensors: cutting a stage from it leaves ``model`` intact."""
+    import copy
+
+    from torch import fx
+
+    memo = {id(t): t for m in model.modules() for _, t, _ in _direct_tensors(m)}
+    clone = copy.deepcopy(model, memo)
+    # A GraphModule's deepcopy rebuilds it from its graph, dropping what the schedule stored on it
+    # (its state, patched forward, hooks, the module it was traced from); its deep-copied __dict__
+    # is in the memo, so restoring from there keeps every reference consistent.
+    twins = dict(clone.named_modules())
+    for path, m in model.named_modules():
+        if isinstance(m, fx.GraphModule):
+            for key in ("_slapo", TRACED_FROM, INIT_PARTS, "forward", *_HOOK_DICTS):
+                if key in m.__dict__:
+                    twins[path].__dict__[key] = copy.deepcopy(m.__dict__[key], memo)
+    return clone
+
+
 class StageModule(nn.Module):
-    """This rank's pipeline stage as one module: token ids or a hidden state in, hidden state or
-    logits out. With a single stage it is simply the model returning logits."""
+    """One pipeline stage as one module: token ids or a hidden state in, hidden state or logits
+    out. With a single stage it is simply the model returning logits."""
 
     def __init__(self, model: nn.Module, info: StageInfo, topology):
         super().__init__()
@@ -303,10 +329,24 @@ class StageModule(nn.Module):
         self.__dict__["info"] = info
         self.__dict__["topology"] = topology
         self.__dict__["_incoming"] = [None]
+        from .parallelize import sequence_shards
+
+        # a later stage receives its slice of the sequence under sequence parallelism, and the
+        # model must still see (masks, positions, rotary tables) the whole sequence
+        self.__dict__["sequence_shards"] = sequence_shards(model)
         if not info.is_first:
             model.get_submodule(info.first_block).register_forward_pre_hook(self._substitute, with_kwargs=True)
         if not info.is_last:
             model.get_submodule(info.last_block).register_forward_hook(self._exit)
+
+    @property
+    def chunks(self) -> list[StageModule]:
+        """The stages this rank runs (one, unless the pipeline is interleaved)."""
+        return [self]
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """This rank's copies of tensors tied across stages, in the order every stage agrees on."""
+        return [self.model.get_parameter(name) for name in self.info.tied]
 
     def _substitute(self, module, args, kwargs):
         hidden = self._incoming[0]
@@ -324,10 +364,40 @@ class StageModule(nn.Module):
             ids = x
         else:
             self._incoming[0] = x
-            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            ids = torch.zeros(x.shape[0], x.shape[1] * self.sequence_shards, dtype=torch.long, device=x.device)
         try:
             return self.model(input_ids=ids).logits
         except _StageExit as done:
             return done.hidden
         finally:
             self._incoming[0] = None
+
+
+class VirtualStages(nn.Module):
+    """This rank's stages of an interleaved pipeline (``vpp`` of ``pp * vpp``): rank ``r`` runs
+    stages ``r, r + pp, ...``, each a :class:`StageModule` cut from its own structural copy of
+    the model (see the module docstring). ``info`` describes the rank (first / last pipeline rank);
+    ``model`` is the first chunk's model (for its config and loss)."""
+
+    def __init__(self, chunks: list[StageModule], topology):
+        super().__init__()
+        self.parts = nn.ModuleList(chunks)
+        first, last = chunks[0].info, chunks[-1].info
+        self.__dict__["info"] = StageInfo(topology.pp_rank, topology.pp, first.first_block, last.last_block,
+                                          [name for c in chunks for name in c.info.tied])
+        self.__dict__["topology"] = topology
+
+    @property
+    def chunks(self) -> list[StageModule]:
+        return list(self.parts)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts[0].model
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        return [p for c in self.parts for p in c.tied_parameters()]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise PipelineError("an interleaved pipeline rank runs its stages through the pipeline schedule, "
+                            "one chunk at a time; call its chunks")

@@ -24,6 +24,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _comm
 from ._sharding import PARTIAL, REPLICATED, Layout, ShardSpec, partition, rule_for
@@ -33,6 +34,27 @@ SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 TRACED_FROM = "_slapo_traced_from"
 INIT_PARTS = "_slapo_init_parts"  # {param: [(path, original module, param name), ...]} of a fused module
 SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
+
+# Selective activation recomputation (Korthikanti et al., 2022, "Reducing Activation Recomputation
+# in Large Transformer Models"): keep the outputs of the linear layers' matmuls, whose recomputation
+# is most of a block's flops, and recompute everything else from them: element-wise ops, norms,
+# activation functions, dropout, the attention core (eager attention's bmm and softmax, SDPA's
+# kernels) and views. On CPU and CUDA a linear layer reaches the dispatcher as ``aten.mm`` (no bias,
+# 3-D inputs folded to 2-D) or ``aten.addmm`` (bias, and Hugging Face's Conv1D); the attention
+# matmuls are ``aten.bmm`` and are recomputed. Collectives (``c10d`` ops, inside the schedule's
+# autograd functions) are recomputed too, as full checkpointing does: saving an in-place
+# collective's output would not redo its mutation of the buffer the caller reads, and every rank
+# of the group recomputes the same block at the same point of backward. Random ops are recomputed
+# under the replayed RNG state, so dropout masks (and ``fork_rng``'s seed draw) come out the same.
+_SELECTIVE_SAVED_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# checkpoint policy -> the selective-checkpoint policy function (None: recompute everything)
+CHECKPOINT_POLICIES: dict[str, Callable | None] = {"full": None, "selective": _selective_policy}
 
 
 @dataclass
@@ -90,6 +112,7 @@ class ModuleState:
     compute: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     defers_bias: bool = False
     checkpointed: bool = False
+    checkpoint_policy: str = "full"  # a key of CHECKPOINT_POLICIES
     rng_group: ProcessGroup | None = field(default=None, repr=False)
     forks_rng: bool = False
     decomposed: bool = False
@@ -223,8 +246,11 @@ class _ScheduledForward:
         if st.checkpointed and torch.is_grad_enabled():
             # Non-reentrant checkpointing supports keyword inputs and replays the RNG state, so
             # dropout masks are identical in the recomputation.
+            policy_fn = CHECKPOINT_POLICIES[st.checkpoint_policy]
+            selective = {} if policy_fn is None else {
+                "context_fn": functools.partial(create_selective_checkpoint_contexts, policy_fn)}
             return torch.utils.checkpoint.checkpoint(
-                fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs
+                fn, *args, use_reentrant=False, preserve_rng_state=True, **selective, **kwargs
             )
         return fn(*args, **kwargs)
 
@@ -636,12 +662,21 @@ class Schedule:
         if produces is not None and produces.kind != expected.kind:
             raise SyncError(f"{where}: the module expects a {expected} input, but {s.op} produces a {produces} one")
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, policy: str = "full") -> None:
         """Recompute this module's activations in backward instead of keeping them.
 
+        ``policy="full"`` keeps only the module's inputs and recomputes its whole forward;
+        ``"selective"`` also keeps the outputs of its linear layers' matmuls and recomputes the
+        rest (element-wise ops, norms, activations, the attention core): memory and recomputation
+        time between no checkpointing and full (Megatron's selective recomputation).
         Non-reentrant (keyword inputs work, e.g. Hugging Face layers), and the RNG state is
         replayed, so dropout masks in the recomputation equal the first ones: results are exact.
         """
+        if policy not in CHECKPOINT_POLICIES:
+            raise ScheduleError(
+                f"checkpoint('{self.path}'): unknown policy {policy!r}; the policies are "
+                + ", ".join(repr(p) for p in CHECKPOINT_POLICIES)
+            )
         if isinstance(self.mod, nn.ModuleList | nn.ModuleDict):
             raise ScheduleError(
                 f"checkpoint('{self.path}'): a {type(self.mod).__name__} has no forward; checkpoint its children"
@@ -650,7 +685,7 @@ class Schedule:
         if st is not None and st.checkpointed:
             raise ScheduleError(f"checkpoint('{self.path}'): already checkpointed")
         st = state_of(self.mod, create=True)
-        st.checkpointed = True
+        st.checkpointed, st.checkpoint_policy = True, policy
         _ensure_forward_patched(self.mod)
 
     def fork_rng(self) -> None:

@@ -298,9 +298,9 @@ def verify(
     """
     if isinstance(model, Schedule):
         model = build(model, seed=seed)
-    from ._pipeline import StageModule
+    from ._pipeline import StageModule, VirtualStages
 
-    if isinstance(model, StageModule):
+    if isinstance(model, StageModule | VirtualStages):
         from .runtime import TrainStep
 
         step = step or TrainStep(model, n_microbatches=n_microbatches, schedule=pipeline_schedule)
@@ -381,7 +381,8 @@ def _verify_stage(model, reference: nn.Module, inputs: Mapping[str, Any], step, 
         loss = step(inputs)
     report = VerifyReport(loss=loss, reference_loss=ref_loss.item(), tolerance=tol)
     report.loss_error = relative_error(torch.tensor(loss), ref_loss.cpu())
-    _compare_gradients(model.model, reference, report, step.gradient)
+    for chunk in model.chunks:  # an interleaved pipeline rank holds several stages
+        _compare_gradients(chunk.model, reference, report, step.gradient)
     return _conclude(report, device, raise_on_failure)
 
 

@@ -2,8 +2,8 @@
 
 Each ``apply_*`` function uses only the public primitives of :class:`~slapo_tune.Schedule`; a
 template says *what* (the plan for its model family) and these functions say *how*. The order
-matters and is fixed by the caller: tensor parallelism first (it changes parameter shapes), then
-activation checkpointing (it wraps the sharded forward), then pipeline cuts and data parallelism.
+matters and is fixed by the caller: tensor parallelism first (it changes parameter shapes), with
+sequence parallelism on top of it, then activation checkpointing (it wraps the sharded forward), then pipeline cuts and data parallelism.
 
 Plan keys are paths relative to the node the plan is applied to; ``*`` matches one path component
 (``"h.*.attn.c_attn"``).
@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._schedule import Schedule
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _comm
+from ._schedule import Schedule, state_of
 from ._sharding import rule_for
 from .errors import ScheduleError
 
@@ -82,7 +87,17 @@ def _output_axis(node: Schedule, param: str) -> int:
     return axis
 
 
-def _apply_style(node: Schedule, style: Style) -> None:
+def _enter_region(node: Schedule, sequence_parallel: bool) -> None:
+    """The entry of a tensor-parallel region: its (replicated) input's gradient is partial, so it
+    is all-reduced in backward; under sequence parallelism the input arrives as a sequence shard,
+    so it is all-gathered in forward and the gradient reduce-scattered back in backward."""
+    if sequence_parallel:
+        node.sync("fwd_pre", gather_sequence)
+    else:
+        node.sync("bwd_post", "all_reduce")
+
+
+def _apply_style(node: Schedule, style: Style, sequence_parallel: bool = False) -> None:
     if isinstance(style, Colwise):
         # a horizontally fused layer (QKV) is split block by block, whatever its style says
         num_fused = getattr(node.mod, "split_sizes", None) or style.num_fused
@@ -90,18 +105,22 @@ def _apply_style(node: Schedule, style: Style) -> None:
             if getattr(node.mod, param, None) is not None and not node.is_sharded(param):
                 node.shard(param, _output_axis(node, param), num_fused=num_fused)
         if style.reduce_input_grad:
-            node.sync("bwd_post", "all_reduce")
+            # the LM head (gather_output) runs after the blocks, on the whole sequence
+            _enter_region(node, sequence_parallel and not style.gather_output)
         if style.gather_output:
             node.sync("fwd_post", "all_gather", axis=-1)
     elif isinstance(style, Rowwise):
         node.shard("weight", rule_for(node.mod).in_axis.get("weight", 1))
-        node.sync("fwd_post", "all_reduce")
-    elif isinstance(style, VocabParallel):
+        if sequence_parallel:  # sum the partial output and keep this rank's tokens; the bias follows
+            node.sync("fwd_post", "reduce_scatter", axis=SEQUENCE_AXIS)
+        else:
+            node.sync("fwd_post", "all_reduce")
+    elif isinstance(style, VocabParallel):  # the embedding runs before the blocks: unchanged
         if not node.is_sharded("weight"):
             node.shard("weight", 0)
         node.sync("fwd_post", "all_reduce")
     elif isinstance(style, ReduceInputGrad):
-        node.sync("bwd_post", "all_reduce")
+        _enter_region(node, sequence_parallel)
     elif isinstance(style, DivideAttr):
         for name in style.names:
             value = getattr(node.mod, name)
@@ -112,12 +131,20 @@ def _apply_style(node: Schedule, style: Style) -> None:
         raise ScheduleError(f"unknown tensor-parallel style {style!r}")
 
 
-def apply_tensor_parallel(sch: Schedule, plan: Mapping[str, Style | Sequence[Style]]) -> None:
+def apply_tensor_parallel(sch: Schedule, plan: Mapping[str, Style | Sequence[Style]], *,
+                          sequence_parallel: bool = False) -> None:
     """Megatron-style tensor parallelism over ``sch.group`` from a ``{path: style}`` plan.
 
     Does nothing when the group has one rank, so the same template serves tp=1 at no cost.
     Parameters tied to one already sharded (GPT-2's LM head and token embedding) are not sharded
     again: the styles only add their communication.
+
+    ``sequence_parallel`` prepares the blocks for :func:`apply_sequence_parallel` (Megatron's
+    sequence parallelism): the entry of each region (``ReduceInputGrad``, ``Colwise`` reducing its
+    input gradient) all-gathers the sequence-sharded input instead of all-reducing its gradient
+    (backward: reduce-scatter), and ``Rowwise`` reduce-scatters its partial output along the
+    sequence instead of all-reducing it. The embedding and the LM head (``Colwise`` with
+    ``gather_output``) run outside the blocks on the whole sequence and are unchanged.
     """
     if sch.world_size == 1:
         return
@@ -125,7 +152,7 @@ def apply_tensor_parallel(sch: Schedule, plan: Mapping[str, Style | Sequence[Sty
         styles = styles if isinstance(styles, Sequence) else (styles,)
         for node in select(sch, pattern):
             for style in styles:
-                _apply_style(node, style)
+                _apply_style(node, style, sequence_parallel)
 
 
 def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform") -> list[int]:
@@ -147,11 +174,154 @@ def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform")
     return sorted({int(i * num_layers / k) for i in range(k)})
 
 
-def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, policy: str = "uniform") -> list[int]:
-    """Checkpoint a ``ratio`` of the repeated ``blocks``; returns the indices checkpointed."""
-    chosen = checkpointed_indices(len(blocks), ratio, policy)
+# ------------------------------------------------------------------ sequence parallelism
+# The token axis: the sequence of [batch, seq, hidden], and the rows of [batch * seq, hidden] that
+# some decoder layers flatten to before their MLP (OPT). Gathering and reduce-scattering a flattened
+# MLP's rows orders its tokens rank by rank instead of batch by batch; the MLP works token by token
+# and each rank gets its own rows back, so the result is the same.
+SEQUENCE_AXIS = -2
+SEQUENCE_PARTIAL = "sequence_partial"  # annotation: the gradient is partial over the tp group
+SEQUENCE_SHARDS = "_slapo_sequence_shards"  # on the root module: into how many shards the blocks cut s
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather the sequence shards (forward); reduce-scatter the gradient (backward).
+
+    The backward is a reduce-scatter, not ``_comm.gather``'s "keep my chunk": what follows the
+    gather is column parallel, so each rank's gradient of the gathered tensor is a partial sum
+    over the ranks' feature slices (without sequence parallelism: the bwd_post all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _comm._all_gather(x, SEQUENCE_AXIS % x.dim(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _comm._reduce_scatter(grad, SEQUENCE_AXIS % grad.dim(), ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """A ``sync`` op: the sequence-sharded input of a tensor-parallel region, whole (see
+    :class:`_GatherSequence`)."""
+    return x if _comm.group_size(group) == 1 else _GatherSequence.apply(x, group)
+
+
+def _syncs(node: Schedule) -> tuple[list, list]:
+    st = state_of(node.mod)
+    return (st.pre_syncs, st.post_syncs) if st is not None else ([], [])
+
+
+def _gathers_sequence(node: Schedule) -> bool:
+    return any(s.op is gather_sequence for s in _syncs(node)[0])
+
+
+def _mark_sequence_partial(node: Schedule, gathered: bool = False) -> None:
+    """Annotate the parameters under ``node`` that see only this rank's tokens: everything not
+    sharded outside a gathered region (norms), and the biases that row-parallel layers add after
+    their reduce-scatter. Parameters inside a gathered region see the whole sequence."""
+    gathered = gathered or _gathers_sequence(node)
+    st = state_of(node.mod)
+    for name, param in node.mod.named_parameters(recurse=False):
+        if param is None or node.is_sharded(name):
+            continue
+        if not gathered or (name == "bias" and st is not None and st.defers_bias):
+            node.annotate(name, SEQUENCE_PARTIAL, True)
+    for child in node.child.values():
+        _mark_sequence_partial(child, gathered)
+
+
+def apply_sequence_parallel(blocks: Sequence[Schedule]) -> None:
+    """Megatron-style sequence parallelism (Korthikanti et al., 2022) over the blocks' tp group,
+    after ``apply_tensor_parallel(..., sequence_parallel=True)``.
+
+    Between the tensor-parallel regions the residual stream is cut along the sequence: each rank
+    holds ``[batch, seq / tp, hidden]``, so norms, dropout and residual additions run on (and keep
+    activations of) a shard. The first block scatters its input (backward: all-gather), the last
+    one all-gathers its output (backward: keep this rank's chunk), so everything before and after
+    the blocks runs on the whole sequence as before. Parameters the shards meet (norm weights and
+    biases, row-parallel biases) get partial gradients: they are annotated
+    ``sequence_partial`` and the training step sums them over the group
+    (:func:`reduce_sequence_partial_gradients`). Does nothing on one rank.
+    """
+    if not blocks or blocks[0].world_size == 1:
+        return
+    if SEQUENCE_SHARDS in blocks[0].root.mod.__dict__:
+        raise ScheduleError("sequence parallelism: already applied to this model")
+    for block in blocks:
+        for _, node in block.named_schedules():
+            pre, post = _syncs(node)
+            plain = [s for s in pre + post if s.op == "all_reduce"]
+            if plain:
+                where = "its input gradient" if plain[0].mode == "bwd_post" else "its output"
+                raise ScheduleError(
+                    f"sequence parallelism: '{node.path}' all-reduces {where}, which inside the blocks must "
+                    "stay sequence-sharded; apply tensor parallelism with sequence_parallel=True"
+                )
+    if not any(_gathers_sequence(node) for block in blocks for _, node in block.named_schedules()):
+        raise ScheduleError("sequence parallelism: no tensor-parallel region in the blocks gathers the sequence; "
+                            "apply tensor parallelism with sequence_parallel=True first")
+    blocks[0].sync("fwd_pre", "scatter", axis=SEQUENCE_AXIS)
+    blocks[-1].sync("fwd_post", "all_gather", axis=SEQUENCE_AXIS)
+    for block in blocks:
+        _mark_sequence_partial(block)
+    blocks[0].root.mod.__dict__[SEQUENCE_SHARDS] = blocks[0].world_size
+
+
+def sequence_shards(model: nn.Module) -> int:
+    """Into how many sequence shards ``model``'s blocks cut the hidden state (the tp size under
+    sequence parallelism, else 1): what a pipeline stage sends and receives is
+    ``[batch, seq / sequence_shards(model), hidden]``. ``model`` may be the scheduled model or a
+    module holding it (a pipeline stage)."""
+    return next((m.__dict__[SEQUENCE_SHARDS] for m in model.modules() if SEQUENCE_SHARDS in m.__dict__), 1)
+
+
+def sequence_partial_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model`` annotated ``sequence_partial`` by :func:`apply_sequence_parallel`
+    (each once, in module order: the same on every tensor-parallel rank of a stage)."""
+    seen, out = set(), []
+    for m in model.modules():
+        st = state_of(m)
+        for name, tags in (st.annotations.items() if st is not None else ()):
+            param = m._parameters.get(name)
+            if tags.get(SEQUENCE_PARTIAL) and param is not None and id(param) not in seen:
+                seen.add(id(param))
+                out.append(param)
+    return out
+
+
+@torch.no_grad()
+def reduce_sequence_partial_gradients(model: nn.Module, gradient: Callable[[torch.Tensor], torch.Tensor | None],
+                                      group) -> None:
+    """Sum the gradients of ``model``'s sequence-partial parameters over the tensor-parallel
+    ``group`` (one all-reduce per dtype). ``gradient(param)`` is the gradient the optimizer steps
+    ``param`` with (an fp32 master's; a DTensor shard under FSDP, reduced locally)."""
+    if _comm.group_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in sequence_partial_parameters(model):
+        grad = gradient(param)
+        if grad is not None:
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, spread: str = "uniform", *,
+                        policy: str = "full") -> list[int]:
+    """Checkpoint a ``ratio`` of the repeated ``blocks`` (chosen by ``spread``, see
+    :func:`checkpointed_indices`) with ``policy`` (``"full"``: recompute the whole block;
+    ``"selective"``: keep its matmul outputs, recompute the rest; see
+    :meth:`Schedule.checkpoint`); returns the indices checkpointed."""
+    chosen = checkpointed_indices(len(blocks), ratio, spread)
     for i in chosen:
-        blocks[i].checkpoint()
+        blocks[i].checkpoint(policy)
     return chosen
 
 
@@ -166,6 +336,12 @@ def stage_boundaries(num_layers: int, pp: int) -> list[int]:
         end += base + (1 if s < extra else 0)
         cuts.append(end - 1)
     return cuts
+
+
+def interleaved_microbatches_ok(n_microbatches: int, pp: int) -> bool:
+    """Whether torch's interleaved 1F1B runs ``n_microbatches`` over ``pp`` ranks: at least one per
+    rank, in whole rounds (``max(1, n // pp)`` rounds of equal size)."""
+    return n_microbatches >= pp and n_microbatches % max(1, n_microbatches // pp) == 0
 
 
 def apply_pipeline_cuts(blocks: Sequence[Schedule], pp: int) -> list[int]:

@@ -38,8 +38,12 @@ def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:
 
 # The knobs every template offers, in the order templates apply them, with the short names shown
 # where space is tight (Ray actor names, plots). A template's own knobs follow them.
-KNOBS = ("tp", "pp", "dp", "zero", "micro_batch", "ckpt_ratio", "pipeline_schedule", "attn", "fuse")
-SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "pipeline_schedule": "sched"}
+KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
+         "attn", "fuse")
+SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "ckpt_policy": "ckpt_by", "pipeline_schedule": "sched"}
+# Knobs added after schedules were first written: a point without them (an older schedule file, a
+# recorded grid) means what it always meant.
+KNOB_DEFAULTS = {"sp": "off", "ckpt_policy": "full", "vpp": 1}
 
 
 @dataclass(frozen=True, eq=False)  # equal as mappings: a plan equals its knob dict
@@ -48,12 +52,15 @@ class Plan(Mapping[str, Any]):
 
     tp: int
     pp: int
+    sp: str  # sequence parallelism over the tensor-parallel group: "off" or "on"
     dp: int
     zero: int
     micro_batch: int
     accumulation: int  # micro-batches per optimizer step on each data-parallel replica
     ckpt_ratio: float
+    ckpt_policy: str  # what a checkpointed block recomputes: "full" or "selective"
     pipeline_schedule: str
+    vpp: int  # virtual pipeline stages per rank (interleaved schedule when > 1)
     attn: str
     fuse: str
     extra: Mapping[str, Any] = field(default_factory=dict)  # a template's own knobs, in its order
@@ -62,6 +69,7 @@ class Plan(Mapping[str, Any]):
     def of(cls, point: Mapping[str, Any], workload: Workload) -> Plan:
         """The plan of a complete point (legality is the space's business: see
         :meth:`slapo_tune.problem.Problem.plan`); checks that the batch sizes multiply up."""
+        point = {**KNOB_DEFAULTS, **point}
         missing = [k for k in KNOBS if k not in point]
         if missing:
             raise UsageError(f"a schedule point needs the knobs {', '.join(missing)}")

@@ -4,8 +4,8 @@ precision.
 A single stage (``pp=1``) runs its micro-batches in a plain loop (forward, loss, backward each), so
 FSDP reduce-scatters each micro-batch's gradients as its backward ends (ZeRO levels 2 and 3) or
 once at the end of the step (level 1). Several stages run a ``torch.distributed.pipelining``
-schedule (GPipe or 1F1B), which defers FSDP's gradient sync to the step's last backward at every
-level. Either way each micro-batch's loss is divided by the micro-batch count before its backward,
+schedule (GPipe or 1F1B; interleaved 1F1B when each rank holds several stages), which defers FSDP's
+gradient sync to the step's last backward at every level. Either way each micro-batch's loss is divided by the micro-batch count before its backward,
 so gradients accumulate to the mean; then tied weights across stages are summed and replicated
 data parallelism averaged. Trials, the training job and ``verify`` all run this one step.
 """
@@ -19,16 +19,26 @@ import torch
 import torch.distributed as dist
 
 from ._data_parallel import average_gradients
-from ._pipeline import StageModule
+from ._pipeline import StageModule, VirtualStages
+from ._schedule import state_of
 from .errors import ScheduleError
 from .precision import precision as precision_named
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# "zb": interleaved zero bubble (ZB1P, Qi et al. 2024): each backward split into the input gradient,
+# sent upstream at once, and the weight gradient, run later where the pipeline would idle
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
-def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+def _schedule_class(name: str, interleaved: bool):
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
+    if interleaved:
+        return ScheduleInterleavedZeroBubble if name == "zb" else ScheduleInterleaved1F1B
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
 
 
@@ -63,7 +73,7 @@ class TrainStep:
     def __init__(self, model: StageModule, *, n_microbatches: int = 1, schedule: str = "1f1b",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  precision: str = "fp32"):
-        if not isinstance(model, StageModule):
+        if not isinstance(model, StageModule | VirtualStages):
             raise ScheduleError("TrainStep needs a model built with a topology: build(sch, topology=...)")
         if schedule not in PIPELINE_SCHEDULES:
             raise ScheduleError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
@@ -72,6 +82,27 @@ class TrainStep:
         topo = model.topology
         if schedule == "1f1b" and topo.pp > 1 and n_microbatches < topo.pp:
             raise ScheduleError(f"1F1B needs at least as many micro-batches as stages ({topo.pp}), got {n_microbatches}")
+        if schedule == "zb" and len(model.chunks) == 1:
+            raise ScheduleError("the zero-bubble schedule interleaves several stages per rank; cut pp * vpp stages "
+                                "with vpp > 1")
+        if schedule == "zb" and model.zero == 3:
+            # measured: the weight-gradient pass runs after FSDP resharded the block, whose
+            # gradients are then lost (verify finds them missing on the last stage)
+            raise ScheduleError("the zero-bubble schedule computes weight gradients after ZeRO-3 has resharded the "
+                                "parameters; use zero <= 2 or pipeline schedule 1f1b")
+        if schedule == "zb" and any(getattr(state_of(m), "checkpoint_policy", "full") == "selective"
+                                    for m in model.modules()):
+            raise ScheduleError("the zero-bubble schedule runs backward twice over a block (input, then weight "
+                                "gradients), which selective recomputation allows once; use ckpt_policy full")
+        if len(model.chunks) > 1:
+            from .parallelize import interleaved_microbatches_ok
+
+            if schedule == "gpipe":
+                raise ScheduleError(f"an interleaved pipeline ({len(model.chunks)} stages per rank) runs interleaved "
+                                    "1F1B or zero bubble (1f1b, zb); got pipeline schedule 'gpipe'")
+            if not interleaved_microbatches_ok(n_microbatches, topo.pp):
+                raise ScheduleError(f"an interleaved schedule over pp={topo.pp} needs at least {topo.pp} micro-batches "
+                                    f"in whole rounds (a multiple of max(1, n // pp)), got {n_microbatches}")
         self.model, self.topology = model, topo
         self.n_microbatches, self.schedule_name = n_microbatches, schedule
         self.precision = precision_named(precision)
@@ -89,21 +120,24 @@ class TrainStep:
     def _make_schedule(self, shape) -> None:
         from torch.distributed.pipelining import PipelineStage
 
-        info = self.model.info
         # Shapes given up front put the stage in static mode: no metadata inference round trips
         # (and none of the data-dependent reads that a shape-only dry run cannot answer).
         config = self.model.model.config
         dtype = self.precision.param_dtype  # what crosses stages (FSDP's shards stay fp32)
         batch, seq = shape
-        hidden = torch.empty(batch, seq, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        # under sequence parallelism the blocks' hidden state is this rank's slice of the sequence
+        hidden_seq = seq // self.model.chunks[0].sequence_shards
+        hidden = torch.empty(batch, hidden_seq, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         logits = torch.empty(batch, seq, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)
-        stage = PipelineStage(self.model, info.index, info.num_stages, self.device,
-                              input_args=(ids if info.is_first else hidden,),
-                              output_args=(logits if info.is_last else hidden,),
-                              group=self.topology.pp_group)
-        self._schedule = _schedule_class(self.schedule_name)(stage, self.n_microbatches, loss_fn=self._scaled_loss,
-                                                             scale_grads=False)
+        stages = [PipelineStage(chunk, chunk.info.index, chunk.info.num_stages, self.device,
+                                input_args=(ids if chunk.info.is_first else hidden,),
+                                output_args=(logits if chunk.info.is_last else hidden,),
+                                group=self.topology.pp_group)
+                  for chunk in self.model.chunks]
+        interleaved = len(stages) > 1
+        self._schedule = _schedule_class(self.schedule_name, interleaved)(
+            stages if interleaved else stages[0], self.n_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self._shape = shape
 
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,12 +228,16 @@ class TrainStep:
         return master.master(param).grad if master is not None else param.grad
 
     def _sync_gradients(self) -> None:
+        from .parallelize import reduce_sequence_partial_gradients
+
         topo, info = self.topology, self.model.info
         if topo.pp > 1 and info.tied:
-            for name in info.tied:
-                grad = self.gradient(self.model.model.get_parameter(name))
+            for param in self.model.tied_parameters():
+                grad = self.gradient(param)
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 dist.all_reduce(local, group=topo.tie_group)
+        if topo.tp > 1:  # norms and row-parallel biases under sequence parallelism saw a shard of the tokens
+            reduce_sequence_partial_gradients(self.model, self.gradient, topo.tp_group)
         if topo.dp > 1 and self.model.zero == 0:
             params = self.model.master.parameters() if self.model.master is not None else self.model.parameters()
             average_gradients(params, topo.dp_group)

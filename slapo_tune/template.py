@@ -5,9 +5,11 @@ the tensor-parallel plan, which sibling layers fuse, which sizes tensor parallel
 this base class owns the knobs every template offers and the order of application:
 
 1. attention kernel (``attn``), 2. fusion (``fuse``; before sharding, so fused layers shard
-block by block), 3. tensor parallelism (``tp``), 4. activation checkpointing (``ckpt_ratio``,
-spread uniformly over the blocks), 5. pipeline cuts (``pp``, equal block counts). ``build`` then
-adds data parallelism (``dp``, ``zero``), and the runtime runs ``micro_batch`` x accumulation.
+block by block), 3. tensor parallelism (``tp``) and sequence parallelism (``sp``), 4. activation
+checkpointing (``ckpt_ratio`` of the blocks, spread uniformly; ``ckpt_policy`` says what they
+recompute), 5. pipeline cuts (``pp * vpp`` stages of equal block counts; rank ``r`` runs stages
+``r, r + pp, ...``). ``build`` then adds data parallelism (``dp``, ``zero``), and the runtime runs
+``micro_batch`` x accumulation under ``pipeline_schedule`` (interleaved when ``vpp > 1``).
 
 The global batch is held fixed: ``global_batch = dp * micro_batch * accumulation``
 (:func:`slapo_tune.plan.accumulation`).
@@ -26,12 +28,19 @@ from torch import nn
 from ._graph import fuse_linears
 from ._schedule import Schedule, create_schedule
 from .errors import ScheduleError
-from .parallelize import apply_checkpointing, apply_pipeline_cuts, apply_tensor_parallel, glob_to_regex
+from .parallelize import (
+    apply_checkpointing,
+    apply_pipeline_cuts,
+    apply_sequence_parallel,
+    apply_tensor_parallel,
+    glob_to_regex,
+    interleaved_microbatches_ok,
+)
 from .plan import Workload, accumulation
 from .space import Knob, Point, Space, divisors
 
 CKPT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
-CKPT_POLICY = "uniform"
+CKPT_SPREAD = "uniform"
 
 
 @dataclass(frozen=True)
@@ -135,20 +144,49 @@ class Template:
         def schedule_choices(p: Point) -> list[str]:
             if p["pp"] == 1:
                 return ["1f1b"]  # one stage: both schedules are plain accumulation
-            return ["gpipe", "1f1b"] if accumulation(workload, p["dp"], p["micro_batch"]) >= p["pp"] else ["gpipe"]
+            n = accumulation(workload, p["dp"], p["micro_batch"])
+            if n < p["pp"]:
+                return ["gpipe"]
+            # zero bubble interleaves (vpp > 1: the layers split into 2 * pp stages at least), computes
+            # weight gradients after ZeRO-3 resharded the parameters (lost) and runs backward twice
+            # over a block, which selective recomputation allows once: neither is offered
+            zero_bubble = (interleaved_microbatches_ok(n, p["pp"]) and info.layers % (2 * p["pp"]) == 0
+                           and p["zero"] < 3 and p["ckpt_policy"] != "selective")
+            return ["gpipe", "1f1b", "zb"] if zero_bubble else ["gpipe", "1f1b"]
+
+        def sp_choices(p: Point) -> list[str]:
+            return ["off", "on"] if p["tp"] > 1 and workload.seq_len % p["tp"] == 0 else ["off"]
+
+        def vpp_choices(p: Point) -> list[int]:
+            if p["pp"] == 1 or p["pipeline_schedule"] == "gpipe":
+                return [1]
+            n = accumulation(workload, p["dp"], p["micro_batch"])
+            interleaved = [v for v in divisors(info.layers // p["pp"])[1:] if interleaved_microbatches_ok(n, p["pp"])]
+            return interleaved if p["pipeline_schedule"] == "zb" else [1, *interleaved]
 
         knobs = [
             Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)"),
             Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides the layers and world/tp)"),
+            Knob("sp", sp_choices, ("tp",), kind=str,
+                 doc="sequence parallelism: norms, dropout and residuals on a sequence shard of the tp group "
+                     "(needs tp > 1 dividing the sequence length)"),
             Knob("dp", derive=lambda p: world // (p["tp"] * p["pp"]), doc="data-parallel degree = world/(tp*pp)"),
             Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp"),
                  doc="ZeRO level over dp: 0 replicated; 1 optimizer state, 2 also gradients, 3 also "
                      "parameters sharded (FSDP2)"),
             Knob("micro_batch", micro_batch_choices, ("tp", "pp"), doc="micro-batch size (divides global/dp)"),
             Knob("ckpt_ratio", _distinct_ratios(info.layers), kind=float,
-                 doc=f"fraction of blocks checkpointed, spread {CKPT_POLICY}ly"),
-            Knob("pipeline_schedule", schedule_choices, ("tp", "pp", "micro_batch"), kind=str,
-                 doc="gpipe or 1f1b (1f1b needs at least pp micro-batches)"),
+                 doc=f"fraction of blocks checkpointed, spread {CKPT_SPREAD}ly"),
+            Knob("ckpt_policy", lambda p: ["full", "selective"] if p["ckpt_ratio"] > 0 else ["full"],
+                 ("ckpt_ratio",), kind=str,
+                 doc="what a checkpointed block recomputes: full (everything) or selective (keeps matmul "
+                     "outputs, recomputes element-wise ops and attention)"),
+            Knob("pipeline_schedule", schedule_choices, ("tp", "pp", "zero", "micro_batch", "ckpt_policy"), kind=str,
+                 doc="gpipe, 1f1b (at least pp micro-batches) or zb (interleaved zero bubble: vpp > 1, zero <= 2, "
+                     "full recomputation only)"),
+            Knob("vpp", vpp_choices, ("tp", "pp", "micro_batch", "pipeline_schedule"),
+                 doc="virtual stages per pipeline rank: interleaved 1F1B when > 1 (pp * vpp divides the layers, "
+                     "at least pp micro-batches, a whole number of rounds)"),
             Knob("attn", ["sdpa", "eager"] if info.supports_sdpa else ["eager"], kind=str,
                  doc="attention kernel: sdpa (fused) or eager (materialises the scores)"),
             Knob("fuse", ["off", "on"] if self.has_fusion else ["off"], kind=str,
@@ -165,11 +203,15 @@ class Template:
         fused = point["fuse"] == "on"
         if fused:
             self.fuse(sch, model)
-        apply_tensor_parallel(sch, self.plan(model, fused=fused))
+        sequence_parallel = point.get("sp", "off") == "on"
+        apply_tensor_parallel(sch, self.plan(model, fused=fused), sequence_parallel=sequence_parallel)
         blocks = self.block_nodes(sch)
-        apply_checkpointing(blocks, point["ckpt_ratio"], CKPT_POLICY)
-        if point["pp"] > 1:
-            apply_pipeline_cuts(blocks, point["pp"])
+        if sequence_parallel:
+            apply_sequence_parallel(blocks)
+        apply_checkpointing(blocks, point["ckpt_ratio"], CKPT_SPREAD, policy=point.get("ckpt_policy", "full"))
+        stages = point["pp"] * point.get("vpp", 1)
+        if stages > 1:
+            apply_pipeline_cuts(blocks, stages)
 
     def block_nodes(self, sch: Schedule) -> list[Schedule]:
         node = sch[self.blocks_path(sch.mod)]

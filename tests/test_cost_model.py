@@ -29,9 +29,12 @@ def _point(world, **knobs):
 
 # Points where the tensor-level peak depends on what each knob keeps alive: SDPA (where exact mode
 # once kept masks a real step does not), eager attention, a GPipe pipeline of fused Llama blocks,
-# ZeRO-3 (gloo's reduce-scatter copy) and tensor parallelism.
+# ZeRO-3 (gloo's reduce-scatter copy), tensor parallelism and an interleaved pipeline (each rank
+# two stages, cut from copies of the model that share its parameters).
 MEMORY_POINTS = [
     ("gpt2-tiny", {"tp": 2, "micro_batch": 8, "ckpt_ratio": 0.25}),
+    ("gpt2-tiny", {"pp": 2, "vpp": 2, "micro_batch": 1}),
+    ("gpt2-tiny", {"pp": 2, "vpp": 2, "micro_batch": 1, "pipeline_schedule": "zb"}),
     ("gpt2-tiny", {"tp": 2, "ckpt_ratio": 0.5, "attn": "eager"}),
     ("llama-tiny", {"pp": 2, "micro_batch": 1, "pipeline_schedule": "gpipe", "fuse": "on"}),
     ("gpt2-tiny", {"zero": 3, "micro_batch": 4}),
