@@ -66,7 +66,15 @@ def exhaustive_best(label: str, space, count: int = CONTENDERS) -> list[dict]:
     by_key = {tuple(str(p[k]) for k in space.names): p for p in space.enumerate()}
     with open(path) as f:  # points over the budget were measured for memory only (no step time)
         rows = sorted((r for r in csv.DictReader(f) if r["step_s"]), key=lambda r: float(r["step_s"]))
-    return [by_key[key] for key in (tuple(r[k] for k in space.names) for r in rows[:count]) if key in by_key]
+    return [by_key[key] for key in (recorded_key(r, space.names) for r in rows[:count]) if key in by_key]
+
+
+def recorded_key(row: dict, names: list[str]) -> tuple[str, ...]:
+    """A recorded row's knob values in ``names`` order; a knob added after the recording takes the
+    value that was all there was then (:data:`slapo_tune.plan.KNOB_DEFAULTS`)."""
+    from slapo_tune.plan import KNOB_DEFAULTS
+
+    return tuple(row[k] if k in row else str(KNOB_DEFAULTS[k]) for k in names)
 
 
 def versus_optimum(times: dict[str, list[float]], points: dict[str, dict], grid: str) -> dict:

@@ -29,7 +29,7 @@ from search_spaces.gpt2 import GPT2Template  # noqa: E402
 from slapo_tune.space import Knob  # noqa: E402
 
 BUDGET_QUANTILE = 0.6  # the budget sits at the 60th percentile of recorded peaks: 40 % of the grid cannot fit
-KNOB_TYPES = {"tp": int, "pp": int, "dp": int, "zero": int, "micro_batch": int, "ckpt_ratio": float}
+KNOB_TYPES = {"tp": int, "pp": int, "dp": int, "zero": int, "micro_batch": int, "ckpt_ratio": float, "vpp": int}
 
 
 def load_grid(path: Path = DEFAULT_OUT) -> tuple[list, int]:
@@ -44,6 +44,7 @@ def load_grid(path: Path = DEFAULT_OUT) -> tuple[list, int]:
     results = []
     for r in rows:
         knobs = {k: KNOB_TYPES.get(k, str)(v) for k, v in r.items() if k not in ("peak", "step_s", "step_times")}
+        knobs = {**{k: v for k, v in GRID["fixed"].items() if k not in knobs}, **knobs}  # knobs added since
         peak, step = int(r["peak"]), float(r["step_s"])
         if peak > budget:
             results.append(TrialResult(status=TrialStatus.OOM, knobs=knobs, peak_memory=[peak],
@@ -103,19 +104,21 @@ def trials_to_within(throughputs: list[float], optimum: float, tolerance: float 
 
 
 class FixedAttention(GPT2Template):
-    """The GPT-2 template as the recorded grid holds it: the knobs it held fixed (attention) pinned,
-    and only the ZeRO levels it recorded."""
+    """The GPT-2 template as the recorded grid holds it: the knobs it held fixed (attention, and the
+    knobs added since) pinned, and only the ZeRO levels it recorded. A pinned knob keeps its own
+    rule, so a value that needs another (the zero-bubble schedule needs vpp > 1) has no legal
+    completion and is never offered."""
 
     def space(self, info, workload):
         space = super().space(info, workload)
 
         def recorded(knob: Knob) -> Knob:
-            if knob.name in GRID["fixed"]:
-                return Knob(knob.name, choices=[GRID["fixed"][knob.name]], doc=knob.doc, kind=knob.kind)
-            if knob.name == "zero":
-                return Knob("zero", lambda p: [z for z in knob.raw(p) if z in GRID["zero"]], knob.depends,
-                            doc=knob.doc, kind=knob.kind)
-            return knob
+            held = [GRID["fixed"][knob.name]] if knob.name in GRID["fixed"] else GRID["zero"] if knob.name == "zero" \
+                else None
+            if held is None:
+                return knob
+            return Knob(knob.name, lambda p: [v for v in knob.raw(p) if v in held], knob.depends, doc=knob.doc,
+                        kind=knob.kind)
 
         knobs = [recorded(k) for k in space.knobs]
         return type(space)(knobs, space.constraints, space.context)

@@ -57,10 +57,10 @@ def test_domains_depend_on_earlier_knobs():
     _, _, space = _space("gpt2-tiny", 4)
     assert space.legal_values("pp", {"tp": 4}) == [1]
     assert space.legal_values("pp", {"tp": 1}) == [1, 2, 4]
-    dp2 = {"tp": 2, "pp": 1, "dp": 2}
+    dp2 = {"tp": 2, "pp": 1, "sp": "off", "dp": 2}
     assert space.legal_values("zero", dp2) == [0, 1, 2, 3]
     assert space.legal_values("micro_batch", {**dp2, "zero": 0}) == [1, 2, 4]  # divisors of 8 / dp
-    pipe = {"tp": 1, "pp": 4, "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.0}
+    pipe = {"tp": 1, "pp": 4, "sp": "off", "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.0, "ckpt_policy": "full"}
     assert space.legal_values("pipeline_schedule", pipe) == ["gpipe"]  # 2 micro-batches < 4 stages
 
 
@@ -68,7 +68,8 @@ def test_text_and_json_forms_are_stable():
     _, _, space = _space("llama-tiny", 2)
     point = space.complete({"tp": 2, "ckpt_ratio": 0.5})
     text = format_point(point)
-    assert text == "tp=2,pp=1,dp=1,zero=0,micro_batch=1,ckpt_ratio=0.5,pipeline_schedule=1f1b,attn=sdpa,fuse=off"
+    assert text == ("tp=2,pp=1,sp=off,dp=1,zero=0,micro_batch=1,ckpt_ratio=0.5,ckpt_policy=full,"
+                    "pipeline_schedule=1f1b,vpp=1,attn=sdpa,fuse=off")
     assert json.loads(point_json(point)) == point and list(json.loads(point_json(point))) == space.names
     again = space.complete(coerce(space, parse_knobs(text)))
     assert again == point
@@ -76,7 +77,7 @@ def test_text_and_json_forms_are_stable():
 
 def test_bad_knobs_are_usage_errors_naming_legal_values():
     _, _, space = _space("gpt2-tiny", 4)
-    with pytest.raises(UsageError, match=r"unknown knob 'tpp' \(knobs: tp, pp, dp"):
+    with pytest.raises(UsageError, match=r"unknown knob 'tpp' \(knobs: tp, pp, sp, dp"):
         space.complete({"tpp": 1})
     with pytest.raises(UsageError, match="knob 'tp' is given twice"):
         parse_knobs("tp=2,pp=1,tp=4")
