@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -203,8 +204,56 @@ class _GatherSequence(torch.autograd.Function):
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """A ``sync`` op: the sequence-sharded input of a tensor-parallel region, whole (see
-    :class:`_GatherSequence`)."""
-    return x if _comm.group_size(group) == 1 else _GatherSequence.apply(x, group)
+    :class:`_GatherSequence`). The whole tensor is remembered with its shard, so that under
+    :func:`sequence_parallel_activations` what the region's linear layers save of it for backward
+    is the shard (see there)."""
+    if _comm.group_size(group) == 1:
+        return x
+    whole = _GatherSequence.apply(x, group)
+    key = id(whole)
+    _GATHERED[key] = (weakref.ref(whole, lambda _, key=key: _GATHERED.pop(key, None)), x.detach(), group)
+    return whole
+
+
+# id(gathered tensor) -> (weak reference to it, this rank's shard, group), while it lives
+_GATHERED: dict[int, tuple[weakref.ref, torch.Tensor, object]] = {}
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """A saved activation kept as this rank's sequence shard; gathered again when backward reads it."""
+
+    shard: torch.Tensor
+    group: object
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _pack_gathered(t: torch.Tensor):
+    base = t if t._base is None else t._base  # a linear layer saves a 2-D view of its 3-D input
+    entry = _GATHERED.get(id(base))
+    if entry is None or entry[0]() is not base:
+        return t
+    return _Regather(entry[1], entry[2], t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack_gathered(packed):
+    if not isinstance(packed, _Regather):
+        return packed
+    whole = _comm._all_gather(packed.shard, SEQUENCE_AXIS % packed.shard.dim(), packed.group)
+    return whole.as_strided(packed.size, packed.stride, packed.offset)
+
+
+def sequence_parallel_activations():
+    """Keep shards, not gathered tensors, for backward (Megatron's sequence parallelism does the
+    same): the linear layers at the entry of a tensor-parallel region save their input, the whole
+    sequence all-gathered, for their weight gradient; saved as this rank's shard and gathered
+    again when backward reads it, each costs ``1/tp`` of the memory for one more all-gather in
+    backward (per layer reading it: Q, K and V each gather again). A tensor autocast cast is a
+    copy, not the gathered tensor, and is kept as it is. The training step runs every forward
+    under this context; it does nothing where nothing was gathered."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack_gathered, _unpack_gathered)
 
 
 def _syncs(node: Schedule) -> tuple[list, list]:

@@ -211,16 +211,23 @@ class TrainStep:
             self._schedule.step(return_outputs=False)
 
     def compute_context(self):
-        """Autocast to the precision's compute dtype, or nothing.
+        """Autocast to the precision's compute dtype (or not), and under sequence parallelism
+        saved activations kept as sequence shards (:func:`~slapo_tune.parallelize.sequence_parallel_activations`).
 
         Autocast's cache of cast weights is off under sharded data parallelism: FSDP gathers a
         parameter again for each micro-batch, and a cast cached from the first would link later
         micro-batches' gradients to a gathered parameter FSDP has already reduced (measured: a
         q_proj gradient 66 % off at zero=3 with two micro-batches); it would also keep a 16-bit
         copy of every gathered parameter for the whole step."""
-        if self.precision.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.precision.autocast, cache_enabled=not self.model.zero)
+        from .parallelize import sequence_parallel_activations
+
+        stack = contextlib.ExitStack()
+        if self.model.chunks[0].sequence_shards > 1:
+            stack.enter_context(sequence_parallel_activations())
+        if self.precision.autocast is not None:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.precision.autocast,
+                                               cache_enabled=not self.model.zero))
+        return stack
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient the optimizer steps ``param`` with (its fp32 master's under bf16)."""
