@@ -4,8 +4,9 @@
 Sections: tuned vs out of the box (:mod:`benchmarks.headline`), search efficiency on the recorded
 grid (:mod:`benchmarks.search_strategies`), cost-model accuracy
 (:mod:`benchmarks.cost_model_accuracy`; the full 60-point grid alone takes about 50 minutes on 2
-cores, so this run measures a smaller seeded sample unless ``--full-accuracy``), and overheads
-(schedule language, pipeline, runners, the driver at 1,000 trials). ``--quick`` is a smoke run of
+cores, so this run measures a smaller seeded sample unless ``--full-accuracy``), sequence
+parallelism, selective recomputation and interleaving side by side (:mod:`benchmarks.techniques`),
+and overheads (schedule language, pipeline, runners, the driver at 1,000 trials). ``--quick`` is a smoke run of
 every section (under 10 minutes), not the reported figures.
 """
 
@@ -39,6 +40,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
             ("schedule-language overhead", "schedule_overhead", ["--steps", "5"]),
             ("runner overhead", "runner_overhead", ["--repeats", "1", "--worlds", "2"]),
             ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
+            ("techniques side by side", "techniques", ["--quick"]),
         ]
     accuracy = [] if full_accuracy else ["--points-per-world", "2", "--calibration-per-world", "1"]
     return [
@@ -49,6 +51,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
         ("pipeline overhead", "pipeline_overhead", ["--steps", "10"]),
         ("runner overhead", "runner_overhead", ["--repeats", "2"]),
         ("driver overhead", "driver_overhead", []),
+        ("techniques side by side", "techniques", []),
     ]
 
 
@@ -198,6 +201,11 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
         lines += ["", ranking
                   + f". Exact mode costs {s['exact_seconds_median']:.1f} s per point vs {s['trial_seconds_median']:.1f} s"
                   " for a measured point.", "", "![memory](cost_model_memory.png)", ""]
+    tech = _load("techniques")
+    if tech:
+        from benchmarks.techniques import report_section
+
+        lines += report_section(tech)
     lines += ["## Overheads", ""]
     sched = _load("schedule_overhead")
     if sched:

@@ -8,12 +8,16 @@ bytes are alive at the peak; defaults come from the textbook counts and :mod:`.c
 fits them to exact-mode (or measured) points per device, model family and precision. Model
 states follow the precision (fp32, amp-bf16, bf16 with fp32 master weights) and the ZeRO level
 (:func:`model_state_bytes`); what FSDP gathers and buffers during a step follows the level and
-whether a pipeline defers its reduction (:func:`memory_terms`).
+whether a pipeline defers its reduction (:func:`memory_terms`). What a block keeps is measured by
+:func:`activation_probe`, including what sequence parallelism puts on a sequence shard and what
+a selectively checkpointed block keeps (:func:`block_activations`); an interleaved pipeline rank
+holds what torch's interleaved 1F1B warm-up leaves in flight (:func:`interleaved_warmup`).
 
 Time is compute (FLOPs at an achievable rate, recomputation included) plus a fixed cost per block
 and micro-batch, plus tensor-parallel, data-parallel (per ZeRO level: all-reduce, or all-gathers in
 the compute dtype and fp32 reduce-scatters) and pipeline communication (alpha-beta), with the
-pipeline bubble: good enough to rank points.
+pipeline bubble ((pp - 1) / (vpp m) of the step): good enough to rank points. Korthikanti et al.'s
+per-layer activation formulas (:func:`megatron_activation_bytes`) are kept for comparison.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._atomic import atomic_write_text
 from ..plan import Workload, accumulation
@@ -50,17 +54,21 @@ MEMORY_TERMS = (
     "act_scores",  # what attention keeps per score element (eager: softmax; fused SDPA: none)
     "act_fused",  # extra per-token tensors of decomposed / fused layers (fuse=on)
     "act_checkpointed",  # inputs of checkpointed blocks
+    "act_selective",  # what selectively checkpointed blocks keep besides their input: matmul outputs
     "recompute",  # one block's activations rebuilt during its backward
     "backward_temp",  # a block's backward temporaries: MLP-wide gradients
     "logits",  # logits and the loss's softmax saved per micro-batch in flight (last stage)
     "logits_grad",  # the gradient of one micro-batch's logits (last stage, loss phase)
-    "pp_recv",  # pipeline receive buffers, one per micro-batch (stages after the first)
+    "pp_recv",  # pipeline receive buffers per micro-batch: activations (stages after the first), gradients (before the last)
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units (none by default; a calibration may find some)
 )
 
+# What checkpointed blocks keep, per checkpointed block (the other activation terms: per full block).
+CHECKPOINTED = frozenset({"act_checkpointed", "act_selective"})
 # Activations: what forward passes keep for their backward (the logits included).
-ACTIVATION_TERMS = ("act_replicated", "act_parallel", "act_scores", "act_fused", "act_checkpointed", "logits")
+ACTIVATION_TERMS = ("act_replicated", "act_parallel", "act_scores", "act_fused", "act_checkpointed", "act_selective",
+                    "logits")
 
 
 def combine(events: Mapping[str, Mapping[str, float]], weights: Mapping[str, float]) -> tuple[float, str]:
@@ -96,6 +104,7 @@ DEFAULT_WEIGHTS = {
     "act_scores": 1.0,
     "act_fused": 1.0,
     "act_checkpointed": 1.0,
+    "act_selective": 1.0,
     "recompute": 1.0,
     "backward_temp": 2.0,
     "logits": 2.0,
@@ -145,7 +154,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 2  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 3  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config, template: Template) -> ModelLayout:
@@ -223,10 +232,18 @@ def _measure_layout(config, template: Template) -> ModelLayout:
 PROBE_SEQ = (64, 128)
 
 
-def _saved_bytes(config, template: Template | None, layers: int, seq: int, point: Mapping[str, Any]) -> int:
+def _saved_bytes(config, template: Template | None, layers: int, seq: int, point: Mapping[str, Any],
+                 alive: bool = False) -> int:
     """Bytes a ``layers``-block copy of the model, scheduled for ``point`` (attention kernel,
-    fusion, tensor parallelism over a fake group), saves for its backward in one training-mode
-    forward of one sequence, parameters excluded. Fake tensors: shapes only, no compute."""
+    fusion, tensor and sequence parallelism over a fake group, checkpointing), saves for its
+    backward in one training-mode forward of one sequence, parameters excluded. Fake tensors:
+    shapes only, no compute.
+
+    ``alive``: count every tensor the forward leaves alive instead (what it saves, and the
+    outputs): a checkpointed block saves through its own hooks, which hide the tensors it keeps
+    (a selective policy's matmul outputs) from the caller's; so does sequence parallelism, whose
+    hooks keep shards of gathered tensors (always counted so)."""
+    import contextlib
     import copy
 
     import torch
@@ -255,7 +272,8 @@ def _saved_bytes(config, template: Template | None, layers: int, seq: int, point
             else:
                 meta = model_from_config(small, "meta")
                 meta.config.use_cache = False
-                sch = template.schedule(meta, {**point, "ckpt_ratio": 0.0, "pp": 1}, topology)
+                sch = template.schedule(meta, {"ckpt_ratio": 0.0, "ckpt_policy": "full", "sp": "off", **point,
+                                               "pp": 1, "vpp": 1}, topology)
                 model = build(sch, seed=0)
             model.config.use_cache = False
             model.train()
@@ -269,12 +287,27 @@ def _saved_bytes(config, template: Template | None, layers: int, seq: int, point
                 return t
 
             ids = torch.zeros(1, seq, dtype=torch.long)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fake_mask_decisions():
-                model(input_ids=ids)
+            sequence_parallel = tp > 1 and point.get("sp", "off") == "on"
+            if alive or sequence_parallel:
+                from ..parallelize import sequence_parallel_activations
+                from ._tracker import PeakTracker
+
+                tracker = PeakTracker()
+                tracker.track(model)  # parameters (and the views forward takes of them) are not kept
+                # as the training step runs it (runtime.TrainStep.compute_context): under sequence
+                # parallelism, gathered tensors layers save are kept as this rank's shard
+                shards = sequence_parallel_activations() if sequence_parallel else contextlib.nullcontext()
+                with tracker, shards, fake_mask_decisions():
+                    out = model(input_ids=ids)  # noqa: F841 - alive while counted
+                    kept = tracker.current["activations"]
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fake_mask_decisions():
+                    model(input_ids=ids)
+                kept = sum(n for _, n in saved.values())
     finally:
         if tp > 1:
             dist.destroy_process_group()
-    return sum(n for _, n in saved.values())
+    return kept
 
 
 def activation_probe(config, template: Template | None = None, fusion: bool = False
@@ -288,6 +321,18 @@ def activation_probe(config, template: Template | None = None, fusion: bool = Fa
     token bytes for each ``attn/fuse`` and for tp 1 and 2 (keys ``"sdpa/off/1"``...), from which
     the replicated part (``.../rep``) and the part tensor parallelism divides (``.../par``) follow.
     Returns ``({}, {})`` where the model cannot run on fake tensors (the textbook counts apply).
+
+    Two more measurements, where tp 2 runs: sequence parallelism (tp 2, SDPA, per fusion) cuts
+    the replicated bytes along the sequence, ``seq/<fuse>`` per token: norm inputs, residuals,
+    dropout masks between the tensor-parallel regions, and the regions' inputs, which their first
+    linear layers save as this rank's shard and gather again in backward (as the training step
+    runs them: :func:`~slapo_tune.parallelize.sequence_parallel_activations`); and a
+    selectively checkpointed block (:meth:`~slapo_tune._schedule.Schedule.checkpoint`) keeps its
+    linear layers' matmul outputs besides its input, ``sel/rep`` per token on every rank
+    (row-parallel outputs, partial sums before their reduction) and ``sel/par`` divided by tp
+    (column-parallel outputs); its input is counted with the checkpointed inputs. Those two are
+    counted by what the forward leaves alive (a checkpoint hides what it keeps from saved-tensor
+    hooks), and are left out (the textbook counts apply) where they cannot be measured.
     """
     import torch.distributed as dist
 
@@ -314,7 +359,41 @@ def activation_probe(config, template: Template | None = None, fusion: bool = Fa
                 token_bytes[f"{attn}/{fuse}/par"] = tokens[1] - rep
     except Exception:  # noqa: BLE001 - a model that cannot run on fake tensors keeps the textbook counts
         return {}, {}
+    if template is not None and 2 in tps:
+        token_bytes.update(_technique_probe(config, template, fusion, token_bytes, score_bytes))
     return token_bytes, score_bytes
+
+
+def _technique_probe(config, template: Template, fusion: bool, token_bytes: Mapping[str, float],
+                     score_bytes: Mapping[str, float]) -> dict[str, float]:
+    """Per token bytes of sequence parallelism's shard (``seq/<fuse>``) and of what a selectively
+    checkpointed block keeps besides its input (``sel/rep``, ``sel/par``); see :func:`activation_probe`."""
+    s1 = PROBE_SEQ[0]
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    out: dict[str, float] = {}
+
+    def block(point: Mapping[str, Any], alive: bool = False) -> float:
+        return (_saved_bytes(config, template, 2, s1, point, alive)
+                - _saved_bytes(config, template, 1, s1, point, alive)) / s1
+
+    try:  # a template whose blocks sequence parallelism cannot cut keeps the textbook count
+        scores = heads / 2 * s1 * score_bytes.get("sdpa", 0.0)
+        for fuse in ("off", "on") if fusion else ("off",):
+            rep, par = token_bytes[f"sdpa/{fuse}/rep"], token_bytes[f"sdpa/{fuse}/par"]
+            sharded = max(0.0, block({"attn": "sdpa", "fuse": fuse, "tp": 2, "sp": "on"}) - scores)
+            # rep + par / 2 without, rep - seq / 2 + par / 2 with sequence parallelism
+            out[f"seq/{fuse}"] = min(rep, max(0.0, 2 * (rep + par / 2 - sharded)))
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        # a block's input (the previous block's output) is alive besides what the block keeps
+        kept = {tp: max(0.0, block({"attn": "sdpa", "fuse": "off", "tp": tp, "ckpt_ratio": 1.0,
+                                    "ckpt_policy": "selective"}, alive=True) - hidden * 4) for tp in (1, 2)}
+        rep = min(kept[1], max(0.0, 2 * kept[2] - kept[1]))
+        out["sel/rep"], out["sel/par"] = rep, kept[1] - rep
+    except Exception:  # noqa: BLE001
+        pass
+    return out
 
 
 from .._data_parallel import _BUCKET_BYTES as DP_BUCKET_BYTES  # noqa: E402
@@ -346,38 +425,84 @@ def model_state_bytes(precision_name: str, zero: int, dp: int) -> Mapping[str, f
     return MappingProxyType(states)  # cached: read-only
 
 
-def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[int, int]:
+def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[float, float]:
     """Micro-batches whose activations a stage holds: at most, before its first backward; and
     at most once gradients exist (after the first backward, when accumulating).
 
     GPipe runs every forward first; 1F1B's warm-up holds ``pp - stage``, and every later forward
-    refills that many, as long as forwards remain.
+    refills that many, as long as forwards remain. Interleaved (``vpp`` > 1), in micro-batches of
+    the rank's whole set of stages: :func:`interleaved_warmup` chunk forwards and the first 1F1B
+    step's, over ``vpp`` (rank 0: ``pp + (pp - 1) / vpp`` where 1F1B holds ``pp``).
     """
-    return _flights(point["pp"], point["pipeline_schedule"], stage, micro_batches)
+    return _flights(point["pp"], point["pipeline_schedule"], stage, micro_batches, point.get("vpp", 1))
 
 
-def _flights(pp: int, schedule: str, stage: int, m: int) -> tuple[int, int]:
+def _flights(pp: int, schedule: str, stage: int, m: int, vpp: int = 1) -> tuple[float, float]:
     if pp == 1:
         return 1, 1
     if schedule == "gpipe":
         return m, max(1, m - 1)
+    if vpp > 1:
+        warmup, total = interleaved_warmup(pp, vpp, m, stage), m * vpp
+        fresh = min(warmup + 1, total)
+        # every later 1F1B step runs its forward before its backward: as many again, while forwards remain
+        held = fresh if total - warmup >= 2 else max(1, total - 1)
+        return fresh / vpp, held / vpp
     warmup = min(pp - stage, m)
     return warmup, warmup if m > warmup else max(1, warmup - 1)
 
 
+def interleaved_warmup(pp: int, vpp: int, m: int, rank: int) -> int:
+    """Chunk forwards pipeline ``rank`` runs before its first backward under torch's
+    ``ScheduleInterleaved1F1B`` (``schedules._get_warmup_ops``): ``m`` micro-batches in
+    ``max(1, m // pp)`` rounds of ``r = m // rounds``; the last rank runs ``(vpp - 1) r``, each rank
+    before it 2 more; at most all ``m vpp``. Rank ``r``'s forward ``k`` runs its local chunk
+    ``(k // r) % vpp``; each 1F1B step then runs a forward before its backward, so ``warmup + 1``
+    chunks are in flight at most: ``vpp pp + pp - 1`` on rank 0 (``m`` a multiple of ``pp``),
+    ``pp + (pp - 1) / vpp`` micro-batches of the rank's ``vpp`` chunks, Narayanan et al. (2021)'s
+    ``pp (1 + (pp - 1) / (pp vpp))``."""
+    per_round = m // max(1, m // pp)
+    return min((vpp - 1) * per_round + 2 * (pp - 1 - rank), m * vpp)
+
+
 @functools.lru_cache(maxsize=4096)
-def checkpointed_per_stage(ratio: float, total_layers: int, pp: int) -> tuple[int, ...]:
-    """How many of each pipeline stage's blocks are checkpointed (uniform spreading)."""
+def interleaved_chunks_in_flight(pp: int, vpp: int, m: int, rank: int) -> tuple[int, ...]:
+    """Per local chunk of ``rank``, the micro-batches whose activations it holds at the most (at the
+    first 1F1B step's forward; see :func:`interleaved_warmup`)."""
+    per_round = m // max(1, m // pp)
+    counts = [0] * vpp
+    for step in range(min(interleaved_warmup(pp, vpp, m, rank) + 1, m * vpp)):
+        counts[(step // per_round) % vpp] += 1
+    return tuple(counts)
+
+
+def rank_blocks(total_layers: int, pp: int, rank: int, vpp: int = 1) -> list[int]:
+    """The blocks pipeline ``rank`` runs, in its local order: the model is cut into ``pp * vpp``
+    stages of equal size and rank ``r`` holds stages ``r, r + pp, ...``."""
+    chunk = total_layers // (pp * vpp)
+    return [(rank + k * pp) * chunk + j for k in range(vpp) for j in range(chunk)]
+
+
+@functools.lru_cache(maxsize=4096)
+def checkpointed_per_chunk(ratio: float, total_layers: int, pp: int, rank: int, vpp: int = 1) -> tuple[int, ...]:
+    """How many blocks of each of ``rank``'s ``vpp`` chunks are checkpointed (uniform spreading)."""
     from ..parallelize import checkpointed_indices
 
-    chosen = checkpointed_indices(total_layers, ratio, "uniform")
-    per_stage = total_layers // pp
-    return tuple(sum(1 for i in chosen if s * per_stage <= i < (s + 1) * per_stage) for s in range(pp))
+    chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
+    blocks = rank_blocks(total_layers, pp, rank, vpp)
+    chunk = len(blocks) // vpp
+    return tuple(sum(1 for i in blocks[k * chunk:(k + 1) * chunk] if i in chosen) for k in range(vpp))
 
 
-def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int) -> int:
+@functools.lru_cache(maxsize=4096)
+def checkpointed_per_stage(ratio: float, total_layers: int, pp: int, vpp: int = 1) -> tuple[int, ...]:
+    """How many of each pipeline rank's blocks are checkpointed (uniform spreading)."""
+    return tuple(sum(checkpointed_per_chunk(ratio, total_layers, pp, s, vpp)) for s in range(pp))
+
+
+def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int, vpp: int = 1) -> int:
     """The most checkpointed blocks on any stage (the recomputation the slowest stage does)."""
-    return max(checkpointed_per_stage(ratio, total_layers, pp))
+    return max(checkpointed_per_stage(ratio, total_layers, pp, vpp))
 
 
 @dataclass
@@ -412,6 +537,78 @@ class StageTerms:
         return out
 
 
+class BlockActivations(NamedTuple):
+    """Bytes one block keeps for its backward per micro-batch, on one rank (see :func:`block_activations`)."""
+
+    replicated: float  # every tensor-parallel rank's (norm inputs, residuals, the regions' inputs; sp: a shard)
+    parallel: float  # inside the tensor-parallel regions (Q/K/V, attention output, MLP width)
+    scores: float  # per attention-score element (eager: the softmax; fused SDPA: none)
+    fused: float  # decomposed / fused layers' extra tensors (fuse=on, where not probed)
+    input: float  # the block's input: all a fully checkpointed block keeps, what stages receive
+    selective: float  # besides its input, what a selectively checkpointed block keeps: matmul outputs
+    selective_parallel: float  # the column-parallel part of ``selective`` (a plain block saves it too)
+
+    def kept(self, checkpointed: str | None = None) -> float:
+        """All a block keeps: not checkpointed (None), ``"full"`` or ``"selective"``."""
+        if checkpointed == "full":
+            return self.input
+        if checkpointed == "selective":
+            return self.input + self.selective
+        return self.replicated + self.parallel + self.scores + self.fused
+
+
+def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> BlockActivations:
+    """What one block of ``layout`` keeps per micro-batch under ``point``, from the activation
+    probe's per-token counts (:func:`activation_probe`; textbook counts where it could not run):
+    tensor parallelism divides the ``parallel`` part and the scores; sequence parallelism (``sp``)
+    the part of ``replicated`` between the regions and the block's input; a selective
+    checkpoint's matmul outputs (``selective``) are there only with ``ckpt_policy`` selective."""
+    from ..precision import precision
+
+    tp, b, attn, fuse = point["tp"], point["micro_batch"], point["attn"], point["fuse"]
+    sp = tp > 1 and point.get("sp", "off") == "on"
+    selective = point["ckpt_ratio"] > 0 and point.get("ckpt_policy", "full") == "selective"
+    s, B = workload.seq_len, precision(workload.precision).activation_bytes
+    q = layout.heads * layout.head_dim
+    kv = layout.kv_heads * layout.head_dim
+    attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
+    mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
+    tokens = b * s
+    # a block's saved bytes per token, measured by the probe (fp32): the part every tensor-parallel
+    # rank keeps and the part it divides; the textbook counts where the model could not be probed
+    key = f"{attn}/{fuse}"
+    fused_extra = 0.0
+    if f"{key}/rep" in layout.token_bytes:
+        rep_bytes, par_bytes = layout.token_bytes[f"{key}/rep"], layout.token_bytes[f"{key}/par"]
+    elif f"{attn}/off/rep" in layout.token_bytes:
+        rep_bytes, par_bytes = layout.token_bytes[f"{attn}/off/rep"], layout.token_bytes[f"{attn}/off/par"]
+        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
+    else:
+        rep_bytes, par_bytes = 4 * 5 * layout.hidden, 4 * (attn_width + mlp_width)
+        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
+    scale = B / 4
+    # sequence parallelism: the replicated bytes (norm inputs, residuals, dropout masks between the
+    # tensor-parallel regions, and the regions' inputs, kept as shards and gathered again in
+    # backward) are on a sequence shard; the textbook count: all of them
+    seq_bytes = layout.token_bytes.get(f"seq/{fuse}", layout.token_bytes.get("seq/off", rep_bytes))
+    seq_bytes = min(rep_bytes, seq_bytes) if sp else 0.0
+    rep_1 = tokens * (rep_bytes - seq_bytes + seq_bytes / tp) * scale
+    par_1 = tokens * par_bytes / tp * scale
+    # selective recomputation keeps the matmul outputs of a checkpointed block (row-parallel ones
+    # whole: partial sums before their reduction; column-parallel ones divided), recomputes the rest
+    sel_rep = layout.token_bytes.get("sel/rep", 4 * 2 * layout.hidden)
+    sel_par = layout.token_bytes.get("sel/par", 4 * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
+    sel_par_1 = tokens * sel_par / tp * scale if selective else 0.0
+    sel_1 = tokens * sel_rep * scale + sel_par_1 if selective else 0.0
+    score_bytes = layout.score_bytes.get(attn, 8.0 if attn == "eager" else 0.0)
+    scores_1 = b * (layout.heads / tp) * s * s * score_bytes * scale
+    fused_1 = tokens * fused_extra / tp * scale
+    # a block's input: checkpointed blocks keep it, pipeline stages receive it (a sequence shard
+    # under sequence parallelism)
+    hidden_1 = tokens * layout.hidden * B / (tp if sp else 1)
+    return BlockActivations(rep_1, par_1, scores_1, fused_1, hidden_1, sel_1, sel_par_1)
+
+
 def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
                  backend: str = "nccl", stages: Iterable[int] | None = None) -> list[StageTerms]:
     """The byte count of every memory term at each event of a step, per pipeline stage (of
@@ -432,8 +629,8 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
 
     # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
     tp, pp, dp, b = point["tp"], point["pp"], point["dp"], point["micro_batch"]
-    zero, ratio, schedule, attn, fuse = (point["zero"], point["ckpt_ratio"], point["pipeline_schedule"], point["attn"],
-                                         point["fuse"])
+    zero, ratio, schedule = point["zero"], point["ckpt_ratio"], point["pipeline_schedule"]
+    vpp = point.get("vpp", 1) if pp > 1 else 1  # a point without it means what it always meant
     mode = precision(workload.precision)
     s, B = workload.seq_len, mode.activation_bytes
     Pb = mode.param_bytes  # what the model computes with: held (replicated) or gathered (FSDP)
@@ -448,32 +645,11 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     gloo = backend == "gloo"
     state_bytes = model_state_bytes(workload.precision, level, dp)
     per_stage = layout.layers // pp
-    ckpt_per_stage = checkpointed_per_stage(ratio, layout.layers, pp)
-    q = layout.heads * layout.head_dim
-    kv = layout.kv_heads * layout.head_dim
-    attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
-    mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
     tokens = b * s
-    # a block's saved bytes per token, measured by the probe (fp32): the part every tensor-parallel
-    # rank keeps and the part it divides; the textbook counts where the model could not be probed
-    key = f"{attn}/{fuse}"
-    fused_extra = 0.0
-    if f"{key}/rep" in layout.token_bytes:
-        rep_bytes, par_bytes = layout.token_bytes[f"{key}/rep"], layout.token_bytes[f"{key}/par"]
-    elif f"{attn}/off/rep" in layout.token_bytes:
-        rep_bytes, par_bytes = layout.token_bytes[f"{attn}/off/rep"], layout.token_bytes[f"{attn}/off/par"]
-        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
-    else:
-        rep_bytes, par_bytes = 4 * 5 * layout.hidden, 4 * (attn_width + mlp_width)
-        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
-    scale = B / 4
-    rep_1 = tokens * rep_bytes * scale
-    par_1 = tokens * par_bytes / tp * scale
-    score_bytes = layout.score_bytes.get(attn, 8.0 if attn == "eager" else 0.0)
-    scores_1 = b * (layout.heads / tp) * s * s * score_bytes * scale
-    fused_1 = tokens * fused_extra / tp * scale
+    acts = block_activations(layout, point, workload)
+    rep_1, par_1, scores_1, fused_1 = acts.replicated, acts.parallel, acts.scores, acts.fused
+    sel_1, sel_par_1, hidden_1 = acts.selective, acts.selective_parallel, acts.input
     temp_1 = tokens * layout.intermediate / tp * B  # one MLP-wide gradient, alive in a block's backward
-    hidden_1 = tokens * layout.hidden * B
     block = layout.block_sharded / tp + layout.block_replicated
     largest = max(layout.block_sharded / 4, layout.pre_sharded, layout.post_sharded) / tp
     # amp-bf16: autocast's bf16 copies of the weights matrix products use. Replicated, its cache
@@ -484,7 +660,12 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
 
     def stage_terms(stage: int) -> StageTerms:
         first, last = stage == 0, stage == pp - 1
-        ckpt = ckpt_per_stage[stage]
+        ckpt_chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
+        ckpt = sum(ckpt_chunks)
+        if vpp > 1 and ckpt:
+            # a micro-batch's activations, averaged over the chunks in flight at the most
+            counts = interleaved_chunks_in_flight(pp, vpp, m, stage)
+            ckpt = vpp * sum(n * c for n, c in zip(counts, ckpt_chunks)) / sum(counts)
         full = per_stage - ckpt
         ends = 0.0
         if first:
@@ -501,18 +682,20 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         # norm, a tied embedding); an untied embedding's come after the blocks'
         head = layout.post_sharded / tp + layout.post_replicated + (layout.pre_sharded / tp if layout.tied_head else 0.0) \
             if last else 0.0
-        fresh, held = _flights(pp, schedule, stage, m)
+        fresh, held = _flights(pp, schedule, stage, m, vpp)
         logits_fresh, logits_held = (fresh, held) if gpipe and pp > 1 else (1, 1)
         per_mb = _nonzero({
             "act_replicated": rep_1 * full, "act_parallel": par_1 * full, "act_scores": scores_1 * full,
-            "act_fused": fused_1 * full, "act_checkpointed": hidden_1 * ckpt,
+            "act_fused": fused_1 * full, "act_checkpointed": hidden_1 * ckpt, "act_selective": sel_1 * ckpt,
             "compute_copies": copy_bytes * full * layout.block_sharded / tp if sharded else 0.0,
         })
         base = _nonzero({
             "weights": params * state_bytes["weights"], "master": params * state_bytes["master"],
             "optimizer": params * state_bytes["optimizer"],
-            # torch's pipeline stages keep a receive buffer per micro-batch for the whole step
-            "pp_recv": hidden_1 * m if not first else 0.0,
+            # torch's pipeline stages keep receive buffers per micro-batch for the whole step: for the
+            # activations (every stage but the model's first) and for their gradients (every stage
+            # but the last); an interleaved rank holds vpp stages
+            "pp_recv": hidden_1 * m * (2 * vpp - first - last) if pp > 1 else 0.0,
             "constant": 2**20,
         })
         cache = {} if sharded or not copy_bytes else {
@@ -569,18 +752,23 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                 return {"rs_buffer": unit * G * (1 + 1 / dp), "rs_copy": unit * G}
             return {"rs_buffer": unit * G + max(0.0, unit * G / dp - source)}
 
-        positions = _stage_ckpt_list(ratio, layout.layers, pp, stage)
+        positions = _stage_ckpt_list(ratio, layout.layers, pp, stage, vpp)
         top = per_stage - 1
-        recompute = (rep_1 + par_1 + scores_1 + fused_1) if ckpt else 0.0
+        # a checkpointed block's backward rebuilds its activations (selective: beside the matmul
+        # outputs it kept, which include the column-parallel ones a plain block saves)
+        recompute = max(0.0, rep_1 + par_1 + scores_1 + fused_1 - sel_par_1) if ckpt else 0.0
 
         def after_top(flight: int) -> dict[str, float]:
             """Activations once the stage's last block has finished its backward."""
             if top in positions:
                 acts = {k: v * flight for k, v in per_mb.items()}
                 acts["act_checkpointed"] = hidden_1 * (ckpt * flight - 1)
+                acts["act_selective"] = sel_1 * (ckpt * flight - 1)
                 return acts
-            acts = {k: v * (flight - 1) + v * (full - 1) / full for k, v in per_mb.items() if k != "act_checkpointed"}
+            acts = {k: v * (flight - 1) + v * max(0.0, full - 1) / full for k, v in per_mb.items()
+                    if k not in CHECKPOINTED}
             acts["act_checkpointed"] = hidden_1 * ckpt * flight
+            acts["act_selective"] = sel_1 * ckpt * flight
             return acts
 
         forward = {} if not sharded else {"gathered": whole} if level < 3 else {"gathered": one + root}
@@ -633,8 +821,9 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                 inputs_before = bisect.bisect_right(positions, position)
                 full_before = position + 1 - inputs_before
                 current = {k: v * (flight - 1) + v * full_before / full if full else v * (flight - 1)
-                           for k, v in per_mb.items() if k != "act_checkpointed"}
+                           for k, v in per_mb.items() if k not in CHECKPOINTED}
                 current["act_checkpointed"] = hidden_1 * (ckpt * (flight - 1) + inputs_before)
+                current["act_selective"] = sel_1 * (ckpt * (flight - 1) + inputs_before)
                 # the stage holds a micro-batch's output (the logits) until its backward is done
                 events[name + suffix] = {**cache, **current, "logits": logits, "recompute": recompute,
                                          "backward_temp": temp_1, **gathered(position, accumulated),
@@ -697,10 +886,11 @@ def dominant_stages(layout: ModelLayout, point: Mapping[str, Any]) -> list[int]:
     first and the last, and of the stages between, the first of those checkpointing the same
     blocks. Those hold no embeddings, head or logits, so their terms differ only in what they
     checkpoint and in the micro-batches they hold, which never grow with the stage's index."""
-    pp, ratio = point["pp"], point["ckpt_ratio"]
+    pp, ratio, vpp = point["pp"], point["ckpt_ratio"], point.get("vpp", 1)
     chosen, seen = [0], set()
     for stage in range(1, pp - 1):
-        positions = _stage_ckpt_positions(ratio, layout.layers, pp, stage)
+        # interleaved, too: a later rank's warm-up holds a prefix of an earlier one's chunk forwards
+        positions = _stage_ckpt_positions(ratio, layout.layers, pp, stage, vpp)
         if positions not in seen:
             seen.add(positions)
             chosen.append(stage)
@@ -720,21 +910,21 @@ def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> di
 
 
 def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -> frozenset[int]:
-    return _stage_ckpt_positions(point["ckpt_ratio"], layout.layers, point["pp"], stage)
+    return _stage_ckpt_positions(point["ckpt_ratio"], layout.layers, point["pp"], stage, point.get("vpp", 1))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_ckpt_list(ratio: float, total_layers: int, pp: int, stage: int) -> tuple[int, ...]:
-    return tuple(sorted(_stage_ckpt_positions(ratio, total_layers, pp, stage)))
+def _stage_ckpt_list(ratio: float, total_layers: int, pp: int, stage: int, vpp: int = 1) -> tuple[int, ...]:
+    return tuple(sorted(_stage_ckpt_positions(ratio, total_layers, pp, stage, vpp)))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int) -> frozenset[int]:
+def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int, vpp: int = 1) -> frozenset[int]:
+    """The local indices (in :func:`rank_blocks` order) of the checkpointed blocks of a rank."""
     from ..parallelize import checkpointed_indices
 
-    per_stage = total_layers // pp
-    return frozenset(i - stage * per_stage for i in checkpointed_indices(total_layers, ratio, "uniform")
-                     if stage * per_stage <= i < (stage + 1) * per_stage)
+    chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
+    return frozenset(j for j, i in enumerate(rank_blocks(total_layers, pp, stage, vpp)) if i in chosen)
 
 
 @dataclass
@@ -841,22 +1031,34 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
     b, s, B = point["micro_batch"], workload.seq_len, mode.activation_bytes
     m = accumulation(workload, point["dp"], point["micro_batch"])
+    sp = tp > 1 and point.get("sp", "off") == "on"
+    selective = point.get("ckpt_policy", "full") == "selective"
+    vpp = point.get("vpp", 1) if pp > 1 else 1
     per_stage = layout.layers // pp
-    ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp)
+    ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s
     block_params = layout.block_sharded / tp + layout.block_replicated
     attn_flops = 4 * b * s * s * layout.heads * layout.head_dim / tp  # QK^T and AV, forward
     block_fwd = 2 * tokens * block_params + attn_flops
     stage_fwd = per_stage * block_fwd
     head_fwd = 2 * tokens * (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
-    flops_mb = 3 * (stage_fwd + head_fwd) + ckpt * block_fwd  # forward + backward, recomputation
+    # forward + backward, and recomputation: a fully checkpointed block runs its forward again, a
+    # selectively checkpointed one all but its linear layers' matmuls (of the FLOPs: the attention core)
+    flops_mb = 3 * (stage_fwd + head_fwd) + ckpt * (attn_flops if selective else block_fwd)
     world = tp * pp * dp
     # CPU: ranks share the cores (threads each); more ranks than cores time-slice
     sliced = max(1.0, world / hw.cores) if hw.cores else 1.0
     rate = hw.gemm_rate(tokens, max(1, hw.cores // world)) / sliced
     bandwidth = hw.memory_bandwidth / sliced
-    compute = (m + pp - 1) * flops_mb / rate
-    overhead = (m + pp - 1) * per_stage * hw.overhead_per_layer * (1 + (2 if tp > 1 else 0))
+    # the slowest stage's time slots: its m micro-batches and the pipeline's fill and drain, pp - 1
+    # slots of a stage's work, each 1 / vpp as long when a rank's blocks are cut into vpp chunks
+    # (the bubble (pp - 1) / m, interleaved (pp - 1) / (vpp m): Narayanan et al. 2021)
+    slots = m + (pp - 1) / vpp
+    compute = slots * flops_mb / rate
+    # a fixed cost per block and micro-batch, and per two collective calls: tensor parallelism's
+    # four all-reduces per block (forward and backward), sequence parallelism's ten (below)
+    calls = (5 if sp else 2) if tp > 1 else 0
+    overhead = slots * per_stage * hw.overhead_per_layer * (1 + calls)
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
     # repeat more often
@@ -864,8 +1066,22 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     stage_params = per_stage * block_params + (sum(edges) if pp == 1 else max(edges))
     grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if bandwidth else 0.0
     act_bytes = tokens * layout.hidden * B
-    tp_comm = (m + pp - 1) * per_stage * 4 * _ring(act_bytes, tp, hw)
-    pp_comm = 2 * (m + pp - 1) * (hw.latency + act_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
+    # forward and backward, two regions per block: all-reduces, or under sequence parallelism as
+    # many all-gathers and reduce-scatters, which move the same bytes in as many ring steps where
+    # the backend reduce-scatters on a ring (NCCL); gloo's (CPU ranks) costs what an all-reduce does
+    # (measured, 4 MB over 2 ranks: 8.4 ms, all-reduce 9.5, all-gather 7.6). Sequence parallelism
+    # also keeps a region's input as a shard and gathers it again in backward (at least once per
+    # region: separate Q, K and V projections gather it each)
+    if sp:
+        scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
+        gather = _ring(act_bytes, tp, hw, "all_gather")
+        tp_comm = slots * per_stage * (6 * gather + 4 * scatter)
+    else:
+        tp_comm = slots * per_stage * 4 * _ring(act_bytes, tp, hw)
+    # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
+    # boundary; interleaved, each micro-batch crosses vpp times as many
+    pp_bytes = act_bytes / tp if sp else act_bytes
+    pp_comm = 2 * (vpp * m + pp - 1) * (hw.latency + pp_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
     # data parallelism: level 0 all-reduces the fp32 gradients once per step; FSDP all-gathers the
     # parameters in the compute dtype and reduce-scatters fp32 gradients, as often as its level
     # reshards (see memory_terms)
@@ -897,3 +1113,45 @@ def model_flops_per_step(layout: ModelLayout, workload: Workload) -> float:
 
 def relative_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else math.inf
+
+
+# ---------------------------------------------------------------- published reference
+# The closed forms the techniques were published with, for comparison (benchmarks.techniques, and a
+# test that the analytic model moves the same way). Megatron's counts are for its fused kernels and
+# 2-byte activations; the analytic model counts what Hugging Face blocks keep (the activation probe).
+RECOMPUTE = ("none", "selective", "full")
+
+
+def megatron_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, sp: bool = False,
+                              recompute: str = "none") -> float:
+    """Activation bytes one transformer layer keeps, Korthikanti et al. 2022 ("Reducing Activation
+    Recomputation in Large Transformer Models", Table 2), 16-bit activations:
+    ``sbh (34 + 5as/h)`` without parallelism, ``sbh (10 + 24/t + 5as/(ht))`` with tensor
+    parallelism, ``sbh/t (34 + 5as/h)`` with tensor and sequence parallelism; selective
+    recomputation drops the attention-score term ``5as/h``; full recomputation keeps only the
+    layer's input, ``2sbh`` (``/t`` with sequence parallelism)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    scores = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return sbh / t * (34 + scores)
+    return sbh * (10 + 24 / t + scores / t)
+
+
+def pipeline_bubble(pp: int, micro_batches: int, vpp: int = 1) -> float:
+    """The pipeline bubble's share of a step's ideal time, Narayanan et al. 2021 (§2.2): ``(p - 1) / m``
+    for GPipe and 1F1B, ``(p - 1) / (v m)`` interleaved over ``v`` chunks per rank."""
+    return (pp - 1) / (vpp * micro_batches)
+
+
+def megatron_microbatches_in_flight(pp: int, vpp: int = 1) -> float:
+    """Micro-batches whose activations the first stage holds at the most (in micro-batches of the
+    rank's whole set of layers): ``p`` under 1F1B, ``p (1 + (p - 1) / (p v))`` under the interleaved
+    schedule of Narayanan et al. 2021 (§2.2.2), as Korthikanti et al. 2022 (§4.2.3) count it.
+    torch's schedule, which is what runs, holds as many when the micro-batches come in whole
+    rounds of ``p`` (:func:`interleaved_warmup`, :func:`flights`)."""
+    return pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else float(pp)
