@@ -18,7 +18,7 @@ from typing import Any
 from slapo_tune.device import NCCL_ENV, collective_timeout, default_concurrency, device_setup
 from slapo_tune.errors import UsageError
 from slapo_tune.launch import RankFailure
-from slapo_tune.plan import SHORT_NAMES
+from slapo_tune.plan import short_name
 
 from ._base import Runner
 from .trial import TrialSpec, trial_rank
@@ -26,8 +26,7 @@ from .trial import TrialSpec, trial_rank
 
 def actor_name(spec: TrialSpec, point: dict[str, Any], rank: int) -> str:
     """``trial-17 tp=2 pp=1 dp=2 zero=0 mb=4 ckpt=0.5 ... rank 0``: readable in the dashboard."""
-    knobs = " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in point.items())
-    return f"{spec.name} {knobs} rank {rank}"
+    return f"{spec.name} {short_name(point)} rank {rank}"
 
 
 class _RankActor:

@@ -309,11 +309,11 @@ def build(
         if mode.master:
             raise ScheduleError(f"build(): precision {precision} keeps master weights for a training step; "
                                 "pass a topology")
-    elif stages % topology.pp:
+    elif stages % topology.pp or (stages > 1 and topology.pp == 1):
         cuts = ", ".join(f"'{plan.block_path(last)}'" for _, last in plan.stages[:-1]) if plan else "none"
         raise PipelineError(
-            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {cuts}), which "
-            f"pp={topology.pp} ranks cannot share (an interleaved pipeline needs a multiple of pp)"
+            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {cuts}) but pp={topology.pp} "
+            "ranks cannot share them (an interleaved pipeline holds a multiple of pp stages, over pp > 1 ranks)"
         )
 
     def finish(model: nn.Module) -> None:

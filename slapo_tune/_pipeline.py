@@ -298,6 +298,19 @@ def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
     return info
 
 
+# on the scheduled model's root: into how many shards sequence parallelism cuts the blocks' sequence
+# (set by parallelize.apply_sequence_parallel)
+SEQUENCE_SHARDS = "_slapo_sequence_shards"
+
+
+def sequence_shards(model: nn.Module) -> int:
+    """Into how many sequence shards ``model``'s blocks cut the hidden state (the tp size under
+    sequence parallelism, else 1): what a pipeline stage sends and receives is
+    ``[batch, seq / sequence_shards(model), hidden]``. ``model`` may be the scheduled model or a
+    module holding it (a pipeline stage)."""
+    return next((m.__dict__[SEQUENCE_SHARDS] for m in model.modules() if SEQUENCE_SHARDS in m.__dict__), 1)
+
+
 def structural_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model``'s modules (and what the schedule stored on them) that shares its
     parameter and buffer tensors: cutting a stage from it leaves ``model`` intact."""
@@ -329,8 +342,6 @@ class StageModule(nn.Module):
         self.__dict__["info"] = info
         self.__dict__["topology"] = topology
         self.__dict__["_incoming"] = [None]
-        from .parallelize import sequence_shards
-
         # a later stage receives its slice of the sequence under sequence parallelism, and the
         # model must still see (masks, positions, rotary tables) the whole sequence
         self.__dict__["sequence_shards"] = sequence_shards(model)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _comm
+from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
 from ._schedule import Schedule, state_of
 from ._sharding import rule_for
 from .errors import ScheduleError
@@ -182,7 +183,6 @@ def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform")
 # and each rank gets its own rows back, so the result is the same.
 SEQUENCE_AXIS = -2
 SEQUENCE_PARTIAL = "sequence_partial"  # annotation: the gradient is partial over the tp group
-SEQUENCE_SHARDS = "_slapo_sequence_shards"  # on the root module: into how many shards the blocks cut s
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -315,14 +315,6 @@ def apply_sequence_parallel(blocks: Sequence[Schedule]) -> None:
     for block in blocks:
         _mark_sequence_partial(block)
     blocks[0].root.mod.__dict__[SEQUENCE_SHARDS] = blocks[0].world_size
-
-
-def sequence_shards(model: nn.Module) -> int:
-    """Into how many sequence shards ``model``'s blocks cut the hidden state (the tp size under
-    sequence parallelism, else 1): what a pipeline stage sends and receives is
-    ``[batch, seq / sequence_shards(model), hidden]``. ``model`` may be the scheduled model or a
-    module holding it (a pipeline stage)."""
-    return next((m.__dict__[SEQUENCE_SHARDS] for m in model.modules() if SEQUENCE_SHARDS in m.__dict__), 1)
 
 
 def sequence_partial_parameters(model: nn.Module) -> list[nn.Parameter]:

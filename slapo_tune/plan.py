@@ -46,6 +46,13 @@ SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "ckpt_policy": "ckpt_b
 KNOB_DEFAULTS = {"sp": "off", "ckpt_policy": "full", "vpp": 1}
 
 
+def short_name(point: Mapping[str, Any]) -> str:
+    """``tp=2 pp=1 dp=2 zero=0 mb=4 ckpt=0.5 ...``: a point in one readable line (Ray actor names,
+    plots); the knobs added since names were first given show only when they are not off."""
+    return " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in point.items()
+                    if k not in KNOB_DEFAULTS or v != KNOB_DEFAULTS[k])
+
+
 @dataclass(frozen=True, eq=False)  # equal as mappings: a plan equals its knob dict
 class Plan(Mapping[str, Any]):
     """A complete, legal schedule point for one workload (see the module docstring)."""
@@ -107,7 +114,7 @@ class Plan(Mapping[str, Any]):
     @property
     def short(self) -> str:
         """``tp=2 pp=1 dp=2 zero=0 mb=4 ckpt=0.5 ...``: a readable one-line name."""
-        return " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in self.items())
+        return short_name(self)
 
     @property
     def local_batch(self) -> int:
