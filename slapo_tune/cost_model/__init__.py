@@ -16,15 +16,21 @@ from ..problem import Problem
 from . import calibration as _calibration
 from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
 from .analytic import (
+    DEFAULT_WEIGHTS,
+    BlockActivations,
     MemoryPrediction,
     ModelLayout,
     TimePrediction,
+    block_activations,
+    dominant_stages,
     layout_of,
     memory_terms,
     model_flops_per_step,
     predict_memory,
     predict_time,
+    stage_builder,
     time_terms,
+    vector_peak,
 )
 from .calibration import Calibration
 from .hardware import PRESETS, Hardware, detect_hardware, hardware, hardware_for
@@ -58,6 +64,58 @@ class CostModel:
         """Analytic peak per stage (calibrated weights where available)."""
         return predict_memory(self.layout, point, self.workload, self.calibration.weights,
                               self.calibration.uncertainty, self.backend)
+
+    def _weights(self) -> dict[str, float]:
+        """The memory weights :func:`~.analytic.predict_memory` uses (defaults, then the calibration's)."""
+        return {**DEFAULT_WEIGHTS, **(self.calibration.weights or {})}
+
+    def quick_verdicts(self, point: Mapping[str, Any], variants: list[Mapping[str, Any]], budget: int,
+                       weights: Mapping[str, float] | None = None) -> tuple[list[bool], list[int]]:
+        """``verdict(v, budget).fits`` of each of ``variants`` without the rest of :meth:`memory`,
+        and its peak where it fits (where not, a lower bound: the stages that can hold the peak
+        are read one at a time, stopping once none fits). ``variants`` are points that differ from
+        ``point`` only in what a block keeps (sequence parallelism, checkpoint policy, attention
+        kernel, fusion: the knobs only :func:`~.analytic.block_activations` reads), evaluated
+        together (numpy arrays, the same float operations per point as one point's)."""
+        import numpy as np
+
+        w = weights if weights is not None else self._weights()
+        keep = 1 - self.calibration.uncertainty
+        acts = BlockActivations(*(np.array(f, dtype=float) for f in zip(*map(self._block_activations, variants))))
+        stage_terms = stage_builder(self.layout, point, self.workload, self.backend, acts)
+        peaks: list[int] = [-1] * len(variants)
+        for stage in dominant_stages(self.layout, point):
+            totals = vector_peak(stage_terms(stage), w, len(variants)).tolist()
+            peaks = [max(p, int(t)) for p, t in zip(peaks, totals)]
+            if all(int(p * keep) > budget for p in peaks):
+                break
+        return [not int(p * keep) > budget for p in peaks], peaks
+
+    def _block_activations(self, point: Mapping[str, Any]) -> BlockActivations:
+        """:func:`~.analytic.block_activations`, once per the knobs it reads."""
+        key = (point["tp"], point["micro_batch"], point["attn"], point["fuse"], point.get("sp", "off"),
+               point["ckpt_ratio"] > 0, point.get("ckpt_policy", "full"))
+        cache = self.__dict__.setdefault("_acts", {})
+        if key not in cache:
+            cache[key] = block_activations(self.layout, point, self.workload)
+        return cache[key]
+
+    def layout_floor(self, point: Mapping[str, Any], weights: Mapping[str, float] | None = None) -> int:
+        """A lower bound of the predicted peak of every point with ``point``'s tp, pp, dp and zero:
+        the first and last stages' model states (weights, master weights, optimizer state, the
+        constant) and the optimizer step's moment (its temporaries beside the gradients), which no
+        micro-batch, checkpointing or other knob changes. 0 where a weight is negative."""
+        w = weights if weights is not None else self._weights()
+        if min(w.values()) < 0:
+            return 0
+        floor = 0.0
+        for st in memory_terms(self.layout, point, self.workload, self.backend, sorted({0, point["pp"] - 1})):
+            opt = st.moments.get("optimizer", {})
+            states = sum(w[k] * st.base.get(k, 0.0) for k in ("weights", "master", "optimizer", "constant"))
+            step = (w["optimizer_temp"] * opt.get("optimizer_temp", 0.0) + min(w["gradients"], w["gradients_single"])
+                    * (opt.get("gradients", 0.0) + opt.get("gradients_single", 0.0)))
+            floor = max(floor, states + step)
+        return int(floor * (1 - 1e-9))  # a margin for the order the full sums add in
 
     def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
         """Exact peak per stage (one fake step per stage)."""

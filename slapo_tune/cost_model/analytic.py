@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .._atomic import atomic_write_text
 from ..plan import Workload, accumulation
 from ..template import Template
@@ -625,6 +627,17 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     resharding to the step's last backward. ``backend`` ``gloo`` also counts the full-size copy gloo
     makes of a reduce-scatter's input (it has no reduce-scatter of its own); NCCL reduces in place.
     """
+    stage_terms = stage_builder(layout, point, workload, backend)
+    return [stage_terms(stage) for stage in (range(point["pp"]) if stages is None else stages)]
+
+
+def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
+                  backend: str = "nccl", acts: BlockActivations | None = None) -> Callable[[int], StageTerms]:
+    """:func:`memory_terms` one stage at a time: the knobs read once, a function of the stage.
+
+    ``acts``: what a block keeps, if not ``point``'s (:func:`block_activations`, the only thing
+    read of the knobs that change it). Its fields may be numpy arrays, one element per point: the
+    terms are then arrays, each element the same float operations as for that point alone."""
     from ..precision import precision
 
     # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
@@ -646,7 +659,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     state_bytes = model_state_bytes(workload.precision, level, dp)
     per_stage = layout.layers // pp
     tokens = b * s
-    acts = block_activations(layout, point, workload)
+    acts = block_activations(layout, point, workload) if acts is None else acts
     rep_1, par_1, scores_1, fused_1 = acts.replicated, acts.parallel, acts.scores, acts.fused
     sel_1, sel_par_1, hidden_1 = acts.selective, acts.selective_parallel, acts.input
     temp_1 = tokens * layout.intermediate / tp * B  # one MLP-wide gradient, alive in a block's backward
@@ -756,7 +769,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         top = per_stage - 1
         # a checkpointed block's backward rebuilds its activations (selective: beside the matmul
         # outputs it kept, which include the column-parallel ones a plain block saves)
-        recompute = max(0.0, rep_1 + par_1 + scores_1 + fused_1 - sel_par_1) if ckpt else 0.0
+        recompute = _at_least_zero(rep_1 + par_1 + scores_1 + fused_1 - sel_par_1) if ckpt else 0.0
 
         def after_top(flight: int) -> dict[str, float]:
             """Activations once the stage's last block has finished its backward."""
@@ -878,7 +891,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         events["optimizer"] = {"optimizer_temp": largest / (dp if sharded else 1) * 4, **step_grads}
         return StageTerms(stage, int(shard), base, events)
 
-    return [stage_terms(stage) for stage in (range(pp) if stages is None else stages)]
+    return stage_terms
 
 
 def dominant_stages(layout: ModelLayout, point: Mapping[str, Any]) -> list[int]:
@@ -899,7 +912,27 @@ def dominant_stages(layout: ModelLayout, point: Mapping[str, Any]) -> list[int]:
 
 def _nonzero(terms: dict[str, float]) -> dict[str, float]:
     """The terms that hold bytes (events stay small: plan evaluates ~100k of them)."""
-    return {k: v for k, v in terms.items() if v}
+    return {k: v for k, v in terms.items() if (v.any() if isinstance(v, np.ndarray) else v)}
+
+
+def _at_least_zero(x):
+    return np.maximum(0.0, x) if isinstance(x, np.ndarray) else max(0.0, x)
+
+
+def vector_peak(st: StageTerms, weights: Mapping[str, float], n: int) -> np.ndarray:
+    """:meth:`StageTerms.peak`'s total for terms that are arrays of ``n`` points (see
+    :func:`stage_builder`): per point, the same float operations in the same order (a zero term
+    :func:`combine` skips adds zero here)."""
+    best = np.full(n, -1.0)
+    for terms in st.moments.values():
+        value = 0.0
+        for k, v in terms.items():
+            if v.__class__ is float and not v:
+                continue  # adds nothing
+            w = weights[k]
+            value = value + (v if w == 1.0 else w * v)  # 1.0 * v is v, bit for bit
+        best = np.maximum(best, value)
+    return best + sum(weights[k] * v for k, v in st.base.items())
 
 
 def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> dict[str, float]:
