@@ -136,6 +136,49 @@ def _rank(ctx, spec, points: dict[str, dict], rounds: int, warmup: int, tracked:
     return {"rank": ctx.rank, "memory": dict(zip(points, memory)), "per_block": per_block, "times": times}
 
 
+# The bubble where it costs: one rank per core (world 2 on 2 cores, pp=2), a model whose micro-batch
+# compute dwarfs a stage call's fixed cost (the world-4 points above share 2 cores among 4 ranks,
+# where a rank waiting in the bubble lends its core to the others)
+BUBBLE_MODEL = ("gpt2-tiny", {"n_embd": 768, "n_layer": 8})
+BUBBLE_GLOBAL_BATCH, BUBBLE_MICRO_BATCH = 16, 4  # 4 micro-batches over pp=2
+BUBBLE_POINTS = {"vpp=1 1f1b": dict(vpp=1), "vpp=2 1f1b": dict(vpp=2), "vpp=2 zb": dict(vpp=2, pipeline_schedule="zb")}
+
+
+def _bubble_rank(ctx, spec, points: dict[str, dict], rounds: int, warmup: int) -> dict:
+    import torch.distributed as dist
+
+    from slapo_tune.session import Session
+
+    problem = spec.resolve()
+    sessions = {name: Session(problem, problem.plan(point), seed=0, device=ctx.device) for name, point in points.items()}
+    batches = {name: s.synthetic_batch() for name, s in sessions.items()}
+    variants = {name: (lambda s=s, b=batches[name]: float(s.train_step(b))) for name, s in sessions.items()}
+    return alternate(variants, rounds, warmup=warmup, sync=dist.barrier)
+
+
+def bubble(rounds: int, warmup: int) -> dict:
+    """Step times of pp=2 with vpp 1 and 2 (interleaved 1F1B, zero bubble) side by side, one rank
+    per core; the ideal ratio is (m + (pp-1)/vpp) / (m + pp - 1) slots."""
+    from slapo_tune.launch import launch
+    from slapo_tune.problem import ProblemSpec
+
+    preset, widen = BUBBLE_MODEL
+    spec = ProblemSpec(preset, 2, model_overrides=widen, global_batch=BUBBLE_GLOBAL_BATCH, seq_len=SEQ)
+    points = {name: {"pp": 2, "micro_batch": BUBBLE_MICRO_BATCH, "pipeline_schedule": "1f1b", **knobs}
+              for name, knobs in BUBBLE_POINTS.items()}
+    times = launch(_bubble_rank, 2, args=(spec, points, rounds, warmup), timeout=3600, threads_per_rank=1)[0]
+    m = BUBBLE_GLOBAL_BATCH // BUBBLE_MICRO_BATCH
+    base = "vpp=1 1f1b"
+    out = {"model": {"preset": preset, "overrides": widen}, "microbatches": m, "rounds": rounds, "rows": {}}
+    for name in points:
+        ratios = [t / b for t, b in zip(times[name], times[base])]
+        med, lo, hi = median_iqr(ratios)
+        vpp = points[name]["vpp"]
+        out["rows"][name] = {"step_median": statistics.median(times[name]), "ratio_median": med, "ratio_p25": lo,
+                             "ratio_p75": hi, "ideal": (m + 1 / vpp) / (m + 1)}
+    return out
+
+
 def _predictions(workload: str, points: dict[str, dict]) -> dict:
     """Exact and analytic peaks per stage, the analytic step time, and per block: the analytic
     count and Megatron's formula for the model."""
@@ -264,6 +307,17 @@ def report_section(data: dict) -> list[str]:
                          f"{r['block_megatron'] / 1024:.0f} | {r['block_vs_megatron']:.2f} | "
                          f"{r['block_vs_megatron'] / 2:.2f} |")
         lines.append("")
+    if "bubble" in data:
+        bub = data["bubble"]
+        lines += [f"### The bubble at one rank per core (world 2, pp=2, `{bub['model']['preset']}` with "
+                  f"{bub['model']['overrides']}, {bub['microbatches']} micro-batches of {BUBBLE_MICRO_BATCH}, "
+                  f"{bub['rounds']} rounds alternated)", "",
+                  "| schedule | step ms median | / vpp=1, per-round median (p25-p75) | ideal (slots) |",
+                  "|---|---|---|---|"]
+        for name, r in bub["rows"].items():
+            lines.append(f"| {name} | {r['step_median'] * 1e3:.0f} | {r['ratio_median']:.3f} "
+                         f"({r['ratio_p25']:.3f}-{r['ratio_p75']:.3f}) | {r['ideal']:.3f} |")
+        lines.append("")
     lines += _reading(data)
     return lines
 
@@ -362,6 +416,13 @@ def _reading(data: dict) -> list[str]:
             "not amortise. Where the measured ratio is not below 1, that is the reason; the gain the formula "
             "promises needs ranks that own their device and micro-batches whose compute dwarfs that overhead.",
             ""]
+    if "bubble" in data:
+        rows = data["bubble"]["rows"]
+        interleaved = rows["vpp=2 1f1b"]
+        out += [f"With one rank per core and micro-batches that dwarf that overhead (the last table), interleaving "
+                f"is {interleaved['ratio_median']:.3f} x the plain 1F1B step (p25 {interleaved['ratio_p25']:.3f}, "
+                f"p75 {interleaved['ratio_p75']:.3f}) against the slots' ideal {interleaved['ideal']:.3f}, and zero "
+                f"bubble {rows['vpp=2 zb']['ratio_median']:.3f}.", ""]
     return out
 
 
@@ -373,7 +434,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--tracked", type=int, default=2, help="memory steps per point (the smallest peak is kept)")
     parser.add_argument("--models", default=",".join(WORKLOADS))
-    parser.add_argument("--quick", action="store_true", help="a smoke run: GPT-2 only, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: GPT-2 only, 2 rounds, no bubble section")
+    parser.add_argument("--bubble-rounds", type=int, default=6, help="timed rounds of the one-rank-per-core bubble")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.warmup, args.tracked, args.models = 2, 1, 1, "gpt2"
@@ -390,6 +452,10 @@ def main(argv=None) -> dict:
                           timeout=1800, threads_per_rank=1)
         data["workloads"][workload] = _summarise(workload, points, predicted, per_rank)
         print(f"{workload}: {time.monotonic() - t0:.0f} s", flush=True)
+    if not args.quick:
+        t0 = time.monotonic()
+        data["bubble"] = bubble(args.bubble_rounds, args.warmup)
+        print(f"bubble: {time.monotonic() - t0:.0f} s", flush=True)
     data["seconds"] = time.monotonic() - started
     print("\n".join(report_section(data)))
     print(f"saved {save_json('techniques', data)}")
