@@ -379,7 +379,8 @@ def test_plan_llama70b_on_64_gpus(capsys):
                  "--top", "3", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["feasible"] > 0 and data["pruned"] > 0
-    assert data["seconds"] < 10
+    # this process's CPU time: the suite's other worker shares the 2 cores (wall time there: 13.8 s)
+    assert data["cpu_seconds"] < 10
     best = data["top"][0]
     assert best["peak"] <= 80 * 2**30 and best["throughput"] > 0
     # bf16 with fp32 masters: replicated, bf16 weights and masters; sharded, fp32 shards (the masters)

@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from ..units import parse_size
     from . import EXIT_OK
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     budget = parse_size(args.memory_budget)
     # a plan is for a cluster: GPU ranks by default, and nothing of it has to run here
     setup = device_of(args.device or ("cpu" if args.hardware == "cpu" else "cuda"), here=False)
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             found.pruned_rows.append((row["peak"], 0, False, row))
     else:
         found = _search(model, problem, budget, args.top)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rows = found.rows  # a plan recommends what should fit first (see _search)
     if not rows:
         smallest = found.smallest(model, budget, 1)[0]
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                           "precision": precision,
                           "points": found.points, "feasible": found.feasible, "pruned": found.pruned,
                           "top": rows[: args.top], "pruned_examples": found.examples[: args.top],
-                          "seconds": round(elapsed, 3)}, default=str))
+                          "seconds": round(elapsed, 3), "cpu_seconds": round(cpu, 3)}, default=str))
         return EXIT_OK
     print(f"{args.model} on {workload.world_size} x {hw.name} ({format_size(budget)} each), {precision}, global batch "
           f"{workload.global_batch}, seq {workload.seq_len}: {found.points} point(s), {found.feasible} fit, "
