@@ -46,6 +46,11 @@ SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "ckpt_policy": "ckpt_b
 KNOB_DEFAULTS = {"sp": "off", "ckpt_policy": "full", "vpp": 1}
 
 
+def knob_value(point: Mapping[str, Any], name: str) -> Any:
+    """``point[name]``, or what a point without that knob means (:data:`KNOB_DEFAULTS`)."""
+    return point[name] if name in point else KNOB_DEFAULTS[name]
+
+
 def short_name(point: Mapping[str, Any]) -> str:
     """``tp=2 pp=1 dp=2 zero=0 mb=4 ckpt=0.5 ...``: a point in one readable line (Ray actor names,
     plots); the knobs added since names were first given show only when they are not off."""

@@ -36,7 +36,7 @@ from .parallelize import (
     glob_to_regex,
     interleaved_microbatches_ok,
 )
-from .plan import Workload, accumulation
+from .plan import Workload, accumulation, knob_value
 from .space import Knob, Point, Space, divisors
 
 CKPT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -203,13 +203,13 @@ class Template:
         fused = point["fuse"] == "on"
         if fused:
             self.fuse(sch, model)
-        sequence_parallel = point.get("sp", "off") == "on"
+        sequence_parallel = knob_value(point, "sp") == "on"
         apply_tensor_parallel(sch, self.plan(model, fused=fused), sequence_parallel=sequence_parallel)
         blocks = self.block_nodes(sch)
         if sequence_parallel:
             apply_sequence_parallel(blocks)
-        apply_checkpointing(blocks, point["ckpt_ratio"], CKPT_SPREAD, policy=point.get("ckpt_policy", "full"))
-        stages = point["pp"] * point.get("vpp", 1)
+        apply_checkpointing(blocks, point["ckpt_ratio"], CKPT_SPREAD, policy=knob_value(point, "ckpt_policy"))
+        stages = point["pp"] * knob_value(point, "vpp")
         if stages > 1:
             apply_pipeline_cuts(blocks, stages)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..plan import knob_value
 from ..problem import Problem
 from . import calibration as _calibration
 from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
@@ -26,6 +27,7 @@ from .analytic import (
     layout_of,
     memory_terms,
     model_flops_per_step,
+    optimistic,
     predict_memory,
     predict_time,
     stage_builder,
@@ -80,21 +82,21 @@ class CostModel:
         import numpy as np
 
         w = weights if weights is not None else self._weights()
-        keep = 1 - self.calibration.uncertainty
+        uncertainty = self.calibration.uncertainty
         acts = BlockActivations(*(np.array(f, dtype=float) for f in zip(*map(self._block_activations, variants))))
         stage_terms = stage_builder(self.layout, point, self.workload, self.backend, acts)
         peaks: list[int] = [-1] * len(variants)
         for stage in dominant_stages(self.layout, point):
             totals = vector_peak(stage_terms(stage), w, len(variants)).tolist()
             peaks = [max(p, int(t)) for p, t in zip(peaks, totals)]
-            if all(int(p * keep) > budget for p in peaks):
+            if all(optimistic(p, uncertainty) > budget for p in peaks):
                 break
-        return [not int(p * keep) > budget for p in peaks], peaks
+        return [not optimistic(p, uncertainty) > budget for p in peaks], peaks
 
     def _block_activations(self, point: Mapping[str, Any]) -> BlockActivations:
         """:func:`~.analytic.block_activations`, once per the knobs it reads."""
-        key = (point["tp"], point["micro_batch"], point["attn"], point["fuse"], point.get("sp", "off"),
-               point["ckpt_ratio"] > 0, point.get("ckpt_policy", "full"))
+        key = (point["tp"], point["micro_batch"], point["attn"], point["fuse"], knob_value(point, "sp"),
+               point["ckpt_ratio"] > 0, knob_value(point, "ckpt_policy"))
         cache = self.__dict__.setdefault("_acts", {})
         if key not in cache:
             cache[key] = block_activations(self.layout, point, self.workload)

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._atomic import atomic_write_text
-from ..plan import Workload, accumulation
+from ..plan import Workload, accumulation, knob_value
 from ..template import Template
 from .hardware import Hardware, _cache_dir
 
@@ -289,7 +289,7 @@ def _saved_bytes(config, template: Template | None, layers: int, seq: int, point
                 return t
 
             ids = torch.zeros(1, seq, dtype=torch.long)
-            sequence_parallel = tp > 1 and point.get("sp", "off") == "on"
+            sequence_parallel = tp > 1 and knob_value(point, "sp") == "on"
             if alive or sequence_parallel:
                 from ..parallelize import sequence_parallel_activations
                 from ._tracker import PeakTracker
@@ -436,7 +436,7 @@ def flights(point: Mapping[str, Any], stage: int, micro_batches: int) -> tuple[f
     the rank's whole set of stages: :func:`interleaved_warmup` chunk forwards and the first 1F1B
     step's, over ``vpp`` (rank 0: ``pp + (pp - 1) / vpp`` where 1F1B holds ``pp``).
     """
-    return _flights(point["pp"], point["pipeline_schedule"], stage, micro_batches, point.get("vpp", 1))
+    return _flights(point["pp"], point["pipeline_schedule"], stage, micro_batches, knob_value(point, "vpp"))
 
 
 def _flights(pp: int, schedule: str, stage: int, m: int, vpp: int = 1) -> tuple[float, float]:
@@ -568,8 +568,8 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     from ..precision import precision
 
     tp, b, attn, fuse = point["tp"], point["micro_batch"], point["attn"], point["fuse"]
-    sp = tp > 1 and point.get("sp", "off") == "on"
-    selective = point["ckpt_ratio"] > 0 and point.get("ckpt_policy", "full") == "selective"
+    sp = tp > 1 and knob_value(point, "sp") == "on"
+    selective = point["ckpt_ratio"] > 0 and knob_value(point, "ckpt_policy") == "selective"
     s, B = workload.seq_len, precision(workload.precision).activation_bytes
     q = layout.heads * layout.head_dim
     kv = layout.kv_heads * layout.head_dim
@@ -643,7 +643,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
     tp, pp, dp, b = point["tp"], point["pp"], point["dp"], point["micro_batch"]
     zero, ratio, schedule = point["zero"], point["ckpt_ratio"], point["pipeline_schedule"]
-    vpp = point.get("vpp", 1) if pp > 1 else 1  # a point without it means what it always meant
+    vpp = knob_value(point, "vpp") if pp > 1 else 1  # a point without it means what it always meant
     mode = precision(workload.precision)
     s, B = workload.seq_len, mode.activation_bytes
     Pb = mode.param_bytes  # what the model computes with: held (replicated) or gathered (FSDP)
@@ -899,7 +899,7 @@ def dominant_stages(layout: ModelLayout, point: Mapping[str, Any]) -> list[int]:
     first and the last, and of the stages between, the first of those checkpointing the same
     blocks. Those hold no embeddings, head or logits, so their terms differ only in what they
     checkpoint and in the micro-batches they hold, which never grow with the stage's index."""
-    pp, ratio, vpp = point["pp"], point["ckpt_ratio"], point.get("vpp", 1)
+    pp, ratio, vpp = point["pp"], point["ckpt_ratio"], knob_value(point, "vpp")
     chosen, seen = [0], set()
     for stage in range(1, pp - 1):
         # interleaved, too: a later rank's warm-up holds a prefix of an earlier one's chunk forwards
@@ -943,7 +943,7 @@ def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> di
 
 
 def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -> frozenset[int]:
-    return _stage_ckpt_positions(point["ckpt_ratio"], layout.layers, point["pp"], stage, point.get("vpp", 1))
+    return _stage_ckpt_positions(point["ckpt_ratio"], layout.layers, point["pp"], stage, knob_value(point, "vpp"))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -992,7 +992,12 @@ class MemoryPrediction:
 
     @property
     def lower(self) -> int:
-        return int(self.peak * (1 - self.uncertainty))
+        return optimistic(self.peak, self.uncertainty)
+
+
+def optimistic(peak: float, uncertainty: float) -> int:
+    """The optimistic end of a predicted peak: what pruning compares with the budget."""
+    return int(peak * (1 - uncertainty))
 
 
 def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
@@ -1064,9 +1069,9 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
     b, s, B = point["micro_batch"], workload.seq_len, mode.activation_bytes
     m = accumulation(workload, point["dp"], point["micro_batch"])
-    sp = tp > 1 and point.get("sp", "off") == "on"
-    selective = point.get("ckpt_policy", "full") == "selective"
-    vpp = point.get("vpp", 1) if pp > 1 else 1
+    sp = tp > 1 and knob_value(point, "sp") == "on"
+    selective = knob_value(point, "ckpt_policy") == "selective"
+    vpp = knob_value(point, "vpp") if pp > 1 else 1
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s
