@@ -65,6 +65,13 @@ PRESETS: dict[str, Preset] = {
     "gpt2-medium": Preset("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(n_layer=24, n_embd=1024, n_head=16), "355M"),
     "gpt2-large": Preset("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(n_layer=36, n_embd=1280, n_head=20), "774M"),
     "gpt2-xl": Preset("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(n_layer=48, n_embd=1600, n_head=25), "1.5B"),
+    # GPT-3 175B (Brown et al. 2020) and Megatron-LM's 1T model (Narayanan et al. 2021, Table 1), GPT-2
+    # blocks at their sizes; the vocabulary is GPT-2's 50257 padded to 51200 as Megatron pads it (a
+    # multiple of 1024 = 128 x tp 8) so that tensor parallelism can split the embedding
+    "gpt3-175b": Preset("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
+        n_layer=96, n_embd=12288, n_head=96, n_positions=2048, vocab_size=51200), "GPT-3 175B"),
+    "gpt-1t": Preset("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(
+        n_layer=128, n_embd=25600, n_head=160, n_positions=2048, vocab_size=51200), "Megatron-LM's 1T GPT"),
     "llama-7b": Preset("llama", "LlamaConfig", "LlamaForCausalLM", dict(
         num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
         intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,

@@ -19,17 +19,31 @@ from .plan import Plan, Workload
 from .space import Space, coerce, parse_knobs
 from .template import ModelInfo, Template
 
-SAMPLES_PER_RANK = 8  # default global batch: this many samples per rank
-MAX_DEFAULT_SEQ_LEN = 128  # default sequence length: this, or the model's positions if fewer
+SAMPLES_PER_RANK = 8  # CPU's default global batch: this many samples per rank
+MAX_DEFAULT_SEQ_LEN = 128  # CPU's default sequence length: this, or the model's positions if fewer
+# GPUs' default global batch in tokens: 2^22 (about 4M), the order of published large-model runs
+# (GPT-3 175B: 1536 x 2048 = 3.1M; Llama 2: 4M), in sequences a multiple of the world size
+DEFAULT_GLOBAL_TOKENS = 2**22
+CONTEXT_FALLBACK = 2048  # a GPU's default sequence length for a config that names no context length
 
 
-def default_global_batch(world_size: int) -> int:
-    return SAMPLES_PER_RANK * world_size
+def default_global_batch(world_size: int, seq_len: int | None = None, device: str = "cpu") -> int:
+    """CPU (the demo and tests' tiny runs): ``8 x world_size``. GPU: the multiple of the world size
+    closest to :data:`DEFAULT_GLOBAL_TOKENS` tokens of ``seq_len`` (one sequence per rank at least)."""
+    if device == "cpu" or not seq_len:
+        return SAMPLES_PER_RANK * world_size
+    per_world = DEFAULT_GLOBAL_TOKENS / (seq_len * world_size)
+    return max(1, round(per_world)) * world_size
 
 
-def default_seq_len(config) -> int:
+def default_seq_len(config, device: str = "cpu") -> int:
+    """CPU: ``min(128, positions)``. GPU: the model's context length (its positions), what it is
+    trained at."""
     positions = getattr(config, "max_position_embeddings", None)
-    return min(MAX_DEFAULT_SEQ_LEN, positions) if isinstance(positions, int) and positions > 0 else MAX_DEFAULT_SEQ_LEN
+    known = isinstance(positions, int) and positions > 0
+    if device != "cpu":
+        return positions if known else CONTEXT_FALLBACK
+    return min(MAX_DEFAULT_SEQ_LEN, positions) if known else MAX_DEFAULT_SEQ_LEN
 
 
 @dataclass(frozen=True)
@@ -71,10 +85,11 @@ class ProblemSpec:
         if template is None:
             template = load_template(self.template) if self.template else template_for(config)
         positions = getattr(config, "max_position_embeddings", None)
-        seq_len = self.seq_len or default_seq_len(config)
+        device = "cpu" if self.device == "cpu" else "cuda"
+        seq_len = self.seq_len or default_seq_len(config, device)
         if isinstance(positions, int) and seq_len > positions:
             raise UsageError(f"seq_len {seq_len} is longer than {self.model}'s {positions} positions")
-        spec = replace(self, global_batch=self.global_batch or default_global_batch(self.world_size),
+        spec = replace(self, global_batch=self.global_batch or default_global_batch(self.world_size, seq_len, device),
                        seq_len=seq_len)
         info = ModelInfo.from_config(config)
         workload = Workload(spec.world_size, spec.global_batch, spec.seq_len, spec.precision)

@@ -101,6 +101,55 @@ class Space:
             raise UsageError(f"a prefix must give the first knobs in order ({', '.join(self.names)})")
         return self._walk(point, start)
 
+    def prefixes(self, depth: int, prefix: Mapping[str, Any] | None = None) -> Iterator[Point]:
+        """Every assignment of the first ``depth`` knobs (extending ``prefix``, whose knobs must come
+        first), in knob order: the order :meth:`enumerate` lists their completions in. Some may
+        have no legal completion (:meth:`completions` counts them)."""
+        point = dict(prefix or {})
+        start = len(point)
+        if list(point) != self.names[:start] or depth < start:
+            raise UsageError(f"a prefix must give the first knobs in order ({', '.join(self.names)})")
+
+        def walk(index: int) -> Iterator[Point]:
+            if index == depth:
+                yield dict(point)
+                return
+            knob = self.knobs[index]
+            for value in knob.raw(point):
+                point[knob.name] = value
+                yield from walk(index + 1)
+            point.pop(knob.name, None)
+
+        return walk(start)
+
+    def completions(self, prefix: Mapping[str, Any]) -> int:
+        """How many legal points :meth:`enumerate` lists for ``prefix``, without listing them: where
+        nothing constrains complete points, the trailing knobs of fixed domains (nothing after them
+        can read them) multiply the count."""
+        point = dict(prefix)
+        if list(point) != self.names[:len(point)]:
+            raise UsageError(f"a prefix must give the first knobs in order ({', '.join(self.names)})")
+        end, factor = len(self.knobs), 1
+        while (not self.constraints and end > len(point) and self.knobs[end - 1].derive is None
+               and not callable(self.knobs[end - 1].choices)):
+            end -= 1
+            factor *= len(self.knobs[end].choices)
+        if not factor:
+            return 0
+
+        def walk(index: int) -> int:
+            if index == end:
+                return factor if end < len(self.knobs) or self._violation(point) is None else 0
+            knob = self.knobs[index]
+            total = 0
+            for value in knob.raw(point):
+                point[knob.name] = value
+                total += walk(index + 1)
+            point.pop(knob.name, None)
+            return total
+
+        return walk(len(point))
+
     def count(self) -> int:
         """Number of legal points (without listing them: a knob with a fixed domain that no later
         knob depends on multiplies the count)."""

@@ -38,9 +38,11 @@ def add_problem_arguments(p: argparse.ArgumentParser, *, model: str | None = Non
                    help="template: gpt2, llama, bert, opt, generic, module:attr or a .py file (default: from the config)")
     p.add_argument("--global-batch", type=positive_int, default=global_batch,
                    help="global batch, held fixed (default: %(default)s)" if global_batch else
-                   "global batch, held fixed (default: 8 x world size)")
+                   "global batch in sequences, held fixed (default: on cpu 8 x world size; on cuda the multiple "
+                   "of the world size closest to 2^22 tokens, about 4M)")
     p.add_argument("--seq-len", type=positive_int, default=None,
-                   help="sequence length (default: 128, or the model's positions if fewer)")
+                   help="sequence length (default: on cpu 128, or the model's positions if fewer; on cuda the "
+                   "model's context length)")
 
 
 def add_precision_argument(p: argparse.ArgumentParser, default_help: str) -> None:

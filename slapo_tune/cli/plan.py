@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import operator
 import time
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_hardware_argument(p, f"on cuda the GPU visible here, else {CLUSTER_HARDWARE}; on cpu this machine")
     add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
     p.add_argument("--knobs", default="", help="evaluate one point (others: first legal value)")
+    p.add_argument("--mode", choices=("analytic", "exact"), default="analytic",
+                   help="analytic: closed-form memory for every point; exact: also re-check the shown points' "
+                   "memory with a fake step per pipeline stage (seconds each) (default: %(default)s)")
     p.add_argument("--top", type=positive_int, default=5)
     p.add_argument("--json", action="store_true")
 
@@ -42,13 +46,15 @@ class _Found:
     def __init__(self, points: int, rows: list[dict], pruned: int, examples: list[dict]):
         self.points, self.rows, self.pruned, self.examples = points, rows, pruned, examples
         self.feasible = 0
-        # (peak, index, False, row), or (a lower bound of the peak, index, True, the point's knobs)
-        self.pruned_rows: list[tuple[int, int, bool, Any]] = []
+        # (peak, index, False, row); (a lower bound of the peak, index, True, the point's knobs); or
+        # (a lower bound of the peaks of some points, the first's index, _LAZY, a function of the
+        # cost model and budget listing those points' entries)
+        self.pruned_rows: list[tuple[int, int, bool | int, Any]] = []
 
     def smallest(self, model, budget: int, k: int) -> list[dict]:
         """The ``k`` pruned rows of smallest peak (first in space order among equal peaks), as a
         sort of every pruned row would give: a point known by a lower bound of its peak only is
-        evaluated once that bound comes first."""
+        evaluated once that bound comes first (points pruned together are listed then)."""
         from ..plan import Plan
 
         heap = list(self.pruned_rows)
@@ -56,12 +62,50 @@ class _Found:
         out: list[dict] = []
         while heap and len(out) < k:
             peak, index, bounded, item = heapq.heappop(heap)
-            if bounded:
+            if bounded == _LAZY:
+                for entry in item(model, budget):
+                    heapq.heappush(heap, entry)
+            elif bounded:
                 row = _row(model, Plan.of(item, model.workload), budget)
                 heapq.heappush(heap, (row["peak"], index, False, row))
             else:
                 out.append(item)
         return out
+
+
+_LAZY = 2  # _Found.pruned_rows: the entry stands for several points' (after a point's: True == 1)
+
+
+def _subtree_entries(space, prefix: dict, first: int, bound: int):
+    """A function of the cost model and budget listing the ``_Found.pruned_rows`` entries of the
+    points of ``prefix`` (indices from ``first``, peaks at least ``bound``), each bounded by the
+    larger of ``bound`` and the stages :meth:`CostModel.quick_verdicts` reads."""
+    from ..plan import KNOB_DEFAULTS
+
+    def entries(model, budget: int) -> list[tuple[int, int, bool, Any]]:
+        raws = list(space.enumerate(prefix))
+        points = [{**KNOB_DEFAULTS, **raw} for raw in raws]
+        bounds = [bound] * len(points)
+        for members in _groups(points, range(len(points))).values():
+            _, peaks = model.quick_verdicts(points[members[0]], [points[i] for i in members], budget)
+            for i, peak in zip(members, peaks):
+                bounds[i] = max(bound, peak)
+        return [(b, first + i, True, raw) for i, (b, raw) in enumerate(zip(bounds, raws))]
+
+    return entries
+
+
+def _group_entries(pruned: list[tuple[int, int, dict, dict]]):
+    """A function listing the ``_Found.pruned_rows`` entries of ``pruned``'s (bound, index, a stem's
+    knobs, the tail's)."""
+    return lambda model, budget: [(bound, index, True, {**stem, **tail}) for bound, index, stem, tail in pruned]
+
+
+def _stem_entries(stems: list[tuple[int, dict, Any]], tail: list[dict], bound: int):
+    """A function listing the ``_Found.pruned_rows`` entries of the points the ``(first index,
+    knobs)`` of ``stems`` stand for (each ``tail`` in turn), all bounded by ``bound``."""
+    return lambda model, budget: [(bound, first + c, True, {**stem, **t}) for first, stem, *_ in stems
+                                  for c, t in enumerate(tail)]
 
 
 def _row(model, point, budget: int) -> dict:
@@ -78,80 +122,156 @@ def _row(model, point, budget: int) -> dict:
 # the knobs that change only what a block keeps (cost_model.analytic.block_activations): the points
 # that differ only in them are evaluated together
 _BLOCK_KNOBS = frozenset({"sp", "ckpt_policy", "attn", "fuse"})
+# what CostModel.layout_floor reads of a point
+_LAYOUT_KNOBS = ("tp", "pp", "dp", "zero")
+
+
+def _groups(points: list[dict], indices) -> dict[tuple, list[int]]:
+    """``indices`` of ``points`` (complete points, their knobs in one order) by their knobs other
+    than :data:`_BLOCK_KNOBS`: the points :meth:`CostModel.quick_verdicts` evaluates together."""
+    groups: dict[tuple, list[int]] = {}
+    if not points:
+        return groups
+    keys = [k for k in points[0] if k not in _BLOCK_KNOBS]
+    key = operator.itemgetter(*keys) if keys else (lambda p: ())
+    for i in indices:
+        groups.setdefault(key(points[i]), []).append(i)
+    return groups
 
 
 def _search(model, problem, budget: int, top: int) -> _Found:
     """Every legal point's verdict, and the rows ``plan`` shows, as evaluating each point fully
     (:func:`_row`) and sorting would give, for less:
 
-    * a layout (tp, pp, dp, zero) whose model states alone cannot fit (:meth:`CostModel.layout_floor`,
-      with the verdict's margin) prunes all its points, unevaluated;
-    * points that differ only in what a block keeps (sp, ckpt_policy, attn, fuse) are evaluated
-      together, stage by stage, stopping once none can fit (:meth:`CostModel.quick_verdicts`);
-    * step time does not depend on the attention kernel or fusion: computed once per the other knobs;
-    * full rows only for the shown ones: the best points that fit (predicted to fit first, then by
-      throughput, then in space order) and the first pruned ones; the pruned ones of smallest peak
-      when asked (:meth:`_Found.smallest`).
+    * the space is walked by prefixes up to the layout's knobs (tp, pp, dp, zero) and the micro-batch
+      size (:meth:`Space.prefixes`): a layout whose model states alone cannot fit
+      (:meth:`CostModel.layout_floor`, with the verdict's margin) prunes its points unlisted
+      (counted by :meth:`Space.completions`);
+    * the other points are listed up to the trailing knobs of fixed domains that change only what a
+      block keeps (attn, fuse): each such stem stands for their product;
+    * points that differ only in what a block keeps (sp, ckpt_policy, attn, fuse) form a group: a
+      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floor`) is
+      pruned unevaluated; the others are evaluated together, stage by stage, stopping once none can
+      fit (:meth:`CostModel.quick_verdicts`, which evaluates apart what its stages tell apart);
+    * the pruned points are bounded together (per prefix or group) and listed only when asked;
+    * step time only for the points that fit (every knob may change it); full rows only for the
+      shown ones: the best points that fit (predicted to fit first, then by throughput, then in
+      space order) and the first pruned ones; the pruned ones of smallest peak when asked
+      (:meth:`_Found.smallest`).
     """
+    from ..cost_model.analytic import optimistic
     from ..plan import KNOB_DEFAULTS, Plan
 
-    workload = problem.workload
+    space, workload = problem.space, problem.workload
+    names, knobs = space.names, space.knobs
     weights = model._weights()
-    keep = 1 - model.calibration.uncertainty
+    uncertainty = model.calibration.uncertainty
     found = _Found(0, [], 0, [])
+    # the walk: blocks (the knobs before the first block knob: a group's points are in one block),
+    # each cut into subtrees (the knobs up to the layout's and the micro-batch size), listed by stems
+    depth = max(names.index(k) for k in (*_LAYOUT_KNOBS, "micro_batch")) + 1
+    block_depth = min([names.index(k) for k in _BLOCK_KNOBS if k in names] + [depth])
+    stem_depth = len(names)
+    while (not space.constraints and stem_depth > depth and names[stem_depth - 1] in _BLOCK_KNOBS
+           and knobs[stem_depth - 1].derive is None and not callable(knobs[stem_depth - 1].choices)
+           and knobs[stem_depth - 1].choices):
+        stem_depth -= 1
+    combos = [dict(zip(names[stem_depth:], values))
+              for values in itertools.product(*(knob.choices for knob in knobs[stem_depth:]))]
+    width = len(combos)  # the points a stem stands for
+
+    def stems_of(sub: dict):
+        return space.enumerate(sub) if space.constraints else space.prefixes(stem_depth, sub)
+
     checked: set[tuple] = set()
-    floors: dict[tuple, tuple[bool, int]] = {}
-    times: dict[tuple, float] = {}
+    floors: dict[tuple, int] = {}
     fits: list[tuple] = []
-    raws, points = [], []
-    groups: dict[tuple, list[int]] = {}
-    names = [k for k in {**KNOB_DEFAULTS, **next(problem.space.enumerate(), {})}]
-    group_key, time_key = (operator.itemgetter(*keys) if keys else (lambda p: ()) for keys in (
-        [k for k in names if k not in _BLOCK_KNOBS], [k for k in names if k not in ("attn", "fuse")]))
-    for index, raw in enumerate(problem.space.enumerate()):
-        point = {**KNOB_DEFAULTS, **raw}
-        shape = (point["tp"], point["pp"], point["dp"], point["micro_batch"])
-        if shape not in checked:  # what Plan.of checks (the knobs, the batch and world sizes)
-            Plan.of(raw, workload)
-            checked.add(shape)
-        raws.append(raw)
-        points.append(point)
-        groups.setdefault(group_key(point), []).append(index)
-    verdicts: list[tuple[bool, int]] = [(False, 0)] * len(points)
-    for members in groups.values():
-        point = points[members[0]]
-        layout = (point["tp"], point["pp"], point["dp"], point["zero"])
-        if layout not in floors:
-            floor = model.layout_floor(point, weights)
-            floors[layout] = (int(floor * keep) > budget, floor)
-        whole, floor = floors[layout]
-        if whole:
-            for i in members:
-                verdicts[i] = (False, floor)
-            continue
-        oks, peaks = model.quick_verdicts(point, [points[i] for i in members], budget, weights)
-        for i, ok, peak in zip(members, oks, peaks):
-            verdicts[i] = (ok, peak)
-    for index, (raw, point, (ok, peak)) in enumerate(zip(raws, points, verdicts)):
-        if not ok:
-            found.pruned += 1
-            if len(found.examples) < top:
-                row = _row(model, Plan.of(raw, workload), budget)
-                found.examples.append(row)
-                found.pruned_rows.append((row["peak"], index, False, row))
-            else:
-                found.pruned_rows.append((peak, index, True, raw))
-            continue
-        key = time_key(point)
-        throughput = times.get(key)
-        if throughput is None:
-            throughput = times[key] = model.time(point).throughput(workload)
-        fits.append((peak > budget, -throughput, index, raw))
-    index = len(points) - 1
-    found.points, found.feasible = index + 1, len(fits)
+    examples: list[tuple[int, dict]] = []  # (index, knobs) of the first pruned points
+    index = 0
+    for block in space.prefixes(block_depth):
+        stems: list[tuple[int, dict, dict]] = []  # (first index, knobs, complete but the tail) to evaluate
+        firsts: list[tuple[int, dict]] = []  # (index, knobs) of this block's first pruned points
+        for sub in space.prefixes(depth, block):
+            listed = stems_of(sub)
+            head = next(listed, None)
+            if head is None:
+                continue
+            first = {**head, **combos[0]}
+            shape = (sub["tp"], sub["pp"], sub["dp"], sub["micro_batch"])
+            if shape not in checked:  # what Plan.of checks (the knobs, the batch and world sizes)
+                Plan.of(first, workload)
+                checked.add(shape)
+            point = {**KNOB_DEFAULTS, **first}
+            layout = tuple(sub[k] for k in _LAYOUT_KNOBS)
+            if layout not in floors:
+                floors[layout] = model.layout_floor(point, weights)
+            bound = floors[layout]
+            if optimistic(bound, uncertainty) > budget:
+                n = space.completions(sub)
+                found.pruned_rows.append((bound, index, _LAZY, _subtree_entries(space, sub, index, bound)))
+                found.pruned += n
+                if len(examples) < top:
+                    firsts.extend(zip(itertools.count(index), itertools.islice(space.enumerate(sub), top)))
+                index += n
+                continue
+            for stem in itertools.chain((head,), listed):
+                stems.append((index, stem, {**KNOB_DEFAULTS, **stem}))
+                index += width
+        for group in _groups([point for *_, point in stems], range(len(stems))).values():
+            variants = [{**stems[s][2], **combo} for s in group for combo in combos]
+            floor = model.group_floor(variants[0], variants, weights)
+            if optimistic(floor, uncertainty) > budget:  # none fits: pruned together, unlisted
+                members = [stems[s] for s in group]
+                found.pruned += len(variants)
+                found.pruned_rows.append((floor, members[0][0], _LAZY, _stem_entries(members, combos, floor)))
+                if len(examples) < top:
+                    firsts.extend(itertools.islice(((i + c, {**stem, **rest}) for i, stem, _ in members
+                                                    for c, rest in enumerate(combos)), top))
+                continue
+            oks, peaks = model.quick_verdicts(variants[0], variants, budget, weights)
+            pruned: list[tuple[int, int, dict, dict]] = []  # (bound, index, stem's knobs, tail)
+            for v, (ok, peak) in enumerate(zip(oks, peaks)):
+                s, c = divmod(v, width)
+                i, stem, _ = stems[group[s]]
+                if ok:
+                    throughput = model.time(variants[v]).throughput(workload)
+                    fits.append((peak > budget, -throughput, i + c, {**stem, **combos[c]}))
+                else:
+                    pruned.append((peak, i + c, stem, combos[c]))
+            if pruned:
+                found.pruned += len(pruned)
+                found.pruned_rows.append((*min(p[:2] for p in pruned), _LAZY, _group_entries(pruned)))
+                if len(examples) < top:
+                    firsts.extend((i, {**stem, **rest}) for _, i, stem, rest in pruned[:top])
+        if len(examples) < top:  # blocks come in space order; a block's points in any
+            examples += sorted(firsts, key=operator.itemgetter(0))[:top - len(examples)]
+    found.points, found.feasible = index, len(fits)
+    found.examples = [_row(model, Plan.of(raw, workload), budget) for _, raw in examples]
     fits.sort(key=lambda f: f[:3])
     found.rows = [_row(model, Plan.of(raw, workload), budget) for *_, raw in fits[:top]]
     return found
+
+
+_SEQ_DEFAULT = {"cpu": "128 or the model's positions", "cuda": "the model's context length"}
+
+
+def _defaulted(args: argparse.Namespace) -> list[str]:
+    """The workload sizes the user left to their defaults."""
+    return [name for name in ("global_batch", "seq_len") if getattr(args, name) is None]
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
+
+
+def _recheck_exact(model, rows: list[dict], budget: int) -> None:
+    """``--mode exact``: each shown row's peak again by a fake step per pipeline stage."""
+    from ..plan import Plan
+
+    for r in rows:
+        peaks = {stage: b.total for stage, b in model.exact(Plan.of(r["point"], model.workload)).items()}
+        r["exact_stage"] = max(peaks, key=peaks.get)
+        r["exact_peak"] = peaks[r["exact_stage"]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     # a preset's shipped card spares loading transformers and building the model to measure it
     card = None if args.space else preset_card(args.model)
     config, layout = card or (None, None)
-    problem = problem_spec(args, precision=precision, memory_budget=budget).resolve(config)
+    problem = problem_spec(args, precision=precision, device=setup.kind, memory_budget=budget).resolve(config)
     workload = problem.workload
     model = CostModel(problem, hw, layout=layout)
     if args.knobs:
@@ -183,8 +303,13 @@ def run(args: argparse.Namespace) -> int:
             found.pruned_rows.append((row["peak"], 0, False, row))
     else:
         found = _search(model, problem, budget, args.top)
+    if args.mode == "exact":
+        _recheck_exact(model, found.rows[: args.top], budget)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rows = found.rows  # a plan recommends what should fit first (see _search)
+    for r in rows:
+        r["mfu"] = model.mfu(r["step_s"], workload.world_size) if r["step_s"] else None
+    fallbacks = list(getattr(model.layout, "probe_fallbacks", ()) or ())
     if not rows:
         smallest = found.smallest(model, budget, 1)[0]
         raise UsageError(
@@ -193,20 +318,31 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(json.dumps({"model": args.model, "device": setup.kind, "hardware": hw.name, "budget": budget,
-                          "precision": precision,
+                          "precision": precision, "mode": args.mode, "seq_len": workload.seq_len,
+                          "global_batch": workload.global_batch, "defaults": _defaulted(args),
+                          "probe_fallbacks": fallbacks,
                           "points": found.points, "feasible": found.feasible, "pruned": found.pruned,
                           "top": rows[: args.top], "pruned_examples": found.examples[: args.top],
                           "seconds": round(elapsed, 3), "cpu_seconds": round(cpu, 3)}, default=str))
         return EXIT_OK
+    defaulted = _defaulted(args)
+    tokens = workload.global_batch * workload.seq_len
     print(f"{args.model} on {workload.world_size} x {hw.name} ({format_size(budget)} each), {precision}, global batch "
-          f"{workload.global_batch}, seq {workload.seq_len}: {found.points} point(s), {found.feasible} fit, "
-          f"{found.pruned} pruned ({elapsed:.2f} s, template {problem.template.describe()}; {hardware_line})")
+          f"{workload.global_batch} ({_tokens(tokens)} tokens{', default' if 'global_batch' in defaulted else ''}), "
+          f"seq {workload.seq_len}{' (default: ' + _SEQ_DEFAULT[setup.kind] + ')' if 'seq_len' in defaulted else ''}"
+          f": {found.points} point(s), {found.feasible} fit, {found.pruned} pruned ({elapsed:.2f} s, template "
+          f"{problem.template.describe()}; {hardware_line}; {args.mode} memory)")
+    for line in fallbacks:
+        print(f"activation probe fallback: {line}")
     for i, r in enumerate(rows[: args.top], 1):
         parts = ", ".join(f"{k} {format_size(v)}" for k, v in r["breakdown"].items() if v >= 2**20)
         print(f"{i:>3}. {format_point(r['point'])}")
         maybe = "; above the budget, may fit: check it" if r["peak"] > budget else ""
         print(f"     peak {format_size(r['peak'])} (stage {r['stage']}; up to {format_size(r['upper'])}{maybe}) = {parts}")
-        print(f"     step {r['step_s']:.3f} s, {r['throughput']:.1f} samples/s")
+        if "exact_peak" in r:
+            verdict = "fits" if r["exact_peak"] <= budget else "does NOT fit"
+            print(f"     exact peak {format_size(r['exact_peak'])} (stage {r['exact_stage']}, a fake step): {verdict}")
+        print(f"     step {r['step_s']:.3f} s, {r['throughput']:.1f} samples/s, MFU {r['mfu']:.1%}")
     if found.pruned:
         print(f"pruned {found.pruned} point(s), for example:")
         for r in found.smallest(model, budget, min(3, args.top)):

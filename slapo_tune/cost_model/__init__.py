@@ -8,6 +8,7 @@ per (device, family, precision). Time is analytic (compute, overheads, communica
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +20,17 @@ from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
 from .analytic import (
     DEFAULT_WEIGHTS,
     BlockActivations,
+    LinearFeatures,
     MemoryPrediction,
     ModelLayout,
     TimePrediction,
+    _flights,
     block_activations,
+    checkpointed_per_chunk,
     dominant_stages,
+    interleaved_chunks_in_flight,
     layout_of,
+    linear_terms,
     memory_terms,
     model_flops_per_step,
     optimistic,
@@ -74,32 +80,114 @@ class CostModel:
     def quick_verdicts(self, point: Mapping[str, Any], variants: list[Mapping[str, Any]], budget: int,
                        weights: Mapping[str, float] | None = None) -> tuple[list[bool], list[int]]:
         """``verdict(v, budget).fits`` of each of ``variants`` without the rest of :meth:`memory`,
-        and its peak where it fits (where not, a lower bound: the stages that can hold the peak
-        are read one at a time, stopping once none fits). ``variants`` are points that differ from
+        and a peak: where it fits, one that is above ``budget`` exactly where the predicted peak
+        is; where not, a lower bound of the predicted peak. The stages that can hold the peak are
+        read one at a time, stopping once none fits. ``variants`` are points that differ from
         ``point`` only in what a block keeps (sequence parallelism, checkpoint policy, attention
         kernel, fusion: the knobs only :func:`~.analytic.block_activations` reads), evaluated
-        together (numpy arrays, the same float operations per point as one point's)."""
+        together: each event's total as the product of the terms' multiples of what a block keeps
+        (:func:`~.analytic.linear_terms`, the knobs read once for all) with each variant's
+        (:class:`~.analytic.LinearFeatures`): the predicted peak's products added in another
+        order, within 1e-9 of the total (of the sum of the terms' magnitudes, where one is
+        negative) of it. Where that margin leaves a verdict or the side of the budget open, or a
+        feature is negative or a term unknown: as :meth:`memory` adds them."""
         import numpy as np
 
         w = weights if weights is not None else self._weights()
+        features = self._feature_matrix(variants)
+        if features is None:
+            return self._exact_verdicts(point, variants, budget, w)
+        keep = 1 - self.calibration.uncertainty
+        reads = _Reads(point)  # what the stages read of the knobs (besides what a block keeps)
+        stage_terms = stage_builder(self.layout, reads, self.workload, self.backend, linear=True)
+        totals = np.full(len(variants), -np.inf)
+        sizes = np.zeros(len(variants))  # the largest sum of the magnitudes of an event's terms, where one is negative
+        for stage in dominant_stages(self.layout, reads):
+            events = linear_terms(stage_terms(stage), w)
+            if events is None:
+                return self._exact_verdicts(point, variants, budget, w)
+            events, magnitudes = events
+            totals = np.maximum(totals, (events @ features).max(axis=0))
+            if magnitudes is not None:
+                sizes = np.maximum(sizes, (magnitudes @ features).max(axis=0))
+            low = float((totals - (1e-9 * np.maximum(np.abs(totals), sizes) + 2)).min())
+            if int(int(low) * keep) > budget:  # none fits (the margin as below)
+                break
+        apart = _apart(reads, point, variants)
+        if apart is not None:
+            return _merged(apart, lambda members: self.quick_verdicts(members[0], members, budget, w))
+        # the predicted peak (an int) is between these: the verdict and the side of the budget
+        # are known where both ends agree (the optimistic end of each, as optimistic() takes it)
+        oks, peaks, where = [], [], []
+        for i, (total, size) in enumerate(zip(totals.tolist(), sizes.tolist())):
+            margin = 1e-9 * max(abs(total), size) + 2
+            low, high = int(total - margin), int(total + margin)
+            pruned = int(low * keep) > budget
+            if pruned != (int(high * keep) > budget) or (not pruned and (low > budget) != (high > budget)):
+                where.append(i)
+            oks.append(not pruned)
+            peaks.append(low)
+        if where:
+            for i, ok, peak in zip(where, *self._exact_verdicts(point, [variants[i] for i in where], budget, w)):
+                oks[i], peaks[i] = ok, peak
+        return oks, peaks
+
+    def _feature_matrix(self, variants: list[Mapping[str, Any]]):
+        """The (features, variants) matrix of ``variants``' :class:`~.analytic.LinearFeatures`, or
+        None where one is negative; once per the knobs :func:`~.analytic.block_activations` reads."""
+        import numpy as np
+
+        key = tuple(map(self._acts_key, variants))
+        cache = self.__dict__.setdefault("_feature_matrices", {})
+        if key not in cache:
+            matrix = np.array([self._features(v) for v in variants]).T.copy()
+            cache[key] = None if matrix.min() < 0 else matrix
+        return cache[key]
+
+    def _exact_verdicts(self, point: Mapping[str, Any], variants: list[Mapping[str, Any]], budget: int,
+                        weights: Mapping[str, float]) -> tuple[list[bool], list[int]]:
+        """:meth:`quick_verdicts` by the predicted peaks' own float operations (numpy arrays, the
+        same per point as one point's): where a variant fits, its predicted peak."""
+        import numpy as np
+
         uncertainty = self.calibration.uncertainty
         acts = BlockActivations(*(np.array(f, dtype=float) for f in zip(*map(self._block_activations, variants))))
-        stage_terms = stage_builder(self.layout, point, self.workload, self.backend, acts)
+        reads = _Reads(point)
+        stage_terms = stage_builder(self.layout, reads, self.workload, self.backend, acts)
         peaks: list[int] = [-1] * len(variants)
-        for stage in dominant_stages(self.layout, point):
-            totals = vector_peak(stage_terms(stage), w, len(variants)).tolist()
+        for stage in dominant_stages(self.layout, reads):
+            totals = vector_peak(stage_terms(stage), weights, len(variants)).tolist()
             peaks = [max(p, int(t)) for p, t in zip(peaks, totals)]
             if all(optimistic(p, uncertainty) > budget for p in peaks):
                 break
+        apart = _apart(reads, point, variants)
+        if apart is not None:
+            return _merged(apart, lambda members: self._exact_verdicts(members[0], members, budget, weights))
         return [not optimistic(p, uncertainty) > budget for p in peaks], peaks
+
+    @staticmethod
+    def _acts_key(point: Mapping[str, Any]) -> tuple:
+        """The knobs :func:`~.analytic.block_activations` reads (of the checkpoint ratio, whether
+        there is one)."""
+        try:
+            return _ACTS_KNOBS(point), point["ckpt_ratio"] > 0
+        except KeyError:  # a point without the knobs added since (plan.KNOB_DEFAULTS)
+            return tuple(knob_value(point, k) for k in _ACTS_KNOBS_NAMES), point["ckpt_ratio"] > 0
 
     def _block_activations(self, point: Mapping[str, Any]) -> BlockActivations:
         """:func:`~.analytic.block_activations`, once per the knobs it reads."""
-        key = (point["tp"], point["micro_batch"], point["attn"], point["fuse"], knob_value(point, "sp"),
-               point["ckpt_ratio"] > 0, knob_value(point, "ckpt_policy"))
+        key = self._acts_key(point)
         cache = self.__dict__.setdefault("_acts", {})
         if key not in cache:
             cache[key] = block_activations(self.layout, point, self.workload)
+        return cache[key]
+
+    def _features(self, point: Mapping[str, Any]) -> LinearFeatures:
+        """:class:`~.analytic.LinearFeatures` of :meth:`_block_activations`, once per the knobs it reads."""
+        key = self._acts_key(point)
+        cache = self.__dict__.setdefault("_linear", {})
+        if key not in cache:
+            cache[key] = LinearFeatures.of(self._block_activations(point))
         return cache[key]
 
     def layout_floor(self, point: Mapping[str, Any], weights: Mapping[str, float] | None = None) -> int:
@@ -118,6 +206,74 @@ class CostModel:
                     * (opt.get("gradients", 0.0) + opt.get("gradients_single", 0.0)))
             floor = max(floor, states + step)
         return int(floor * (1 - 1e-9))  # a margin for the order the full sums add in
+
+    def group_floor(self, point: Mapping[str, Any], variants: list[Mapping[str, Any]],
+                    weights: Mapping[str, float] | None = None) -> int:
+        """A lower bound of the predicted peak of every one of ``variants``, points that differ
+        from ``point`` only in what a block keeps (as :meth:`quick_verdicts` takes them), without
+        building their stages: on the first and the last stage, the model states (as
+        :meth:`layout_floor`) beside the activations of the micro-batches the stage holds before
+        its first backward (the forward's moment) or, accumulating, after it beside the
+        accumulated gradients (the loss's), each block keeping the least any variant's does. 0
+        where a weight is negative."""
+        from ..plan import accumulation
+
+        w = weights if weights is not None else self._weights()
+        if min(w.values()) < 0:
+            return 0
+        layout = self.layout
+        pp, dp, b = point["pp"], point["dp"], point["micro_batch"]
+        ratio, schedule = point["ckpt_ratio"], point["pipeline_schedule"]
+        vpp = knob_value(point, "vpp") if pp > 1 else 1
+        m = accumulation(self.workload, dp, b)
+        per_stage = layout.layers // pp
+        plain, kept = self._least_kept(variants, w)
+        floor = 0.0
+        for stage in sorted({0, pp - 1}):
+            states, gradients = self._stage_floor(point, stage, m, w)
+            chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
+            ckpt = sum(chunks)
+            if vpp > 1 and ckpt:  # as stage_builder averages them
+                counts = interleaved_chunks_in_flight(pp, vpp, m, stage)
+                ckpt = vpp * sum(n * c for n, c in zip(counts, chunks)) / sum(counts)
+            block = (per_stage - ckpt) * plain + ckpt * kept
+            fresh, held = _flights(pp, schedule, stage, m, vpp)
+            moment = max(fresh * block, gradients + held * block) if m > 1 else fresh * block
+            floor = max(floor, states + moment)
+        return int(floor * (1 - 1e-9))  # a margin for the order the full sums add in
+
+    def _weighted(self, name: str, weights: Mapping[str, float]) -> dict:
+        """A cache of values that depend on ``weights`` (emptied when they change)."""
+        caches = self.__dict__.setdefault("_weighted_caches", {})
+        if caches.get(name, (None,))[0] != weights:
+            caches[name] = (dict(weights), {})
+        return caches[name][1]
+
+    def _least_kept(self, variants: list[Mapping[str, Any]], weights: Mapping[str, float]) -> tuple[float, float]:
+        """The least any of ``variants``' blocks keeps, weighted: not checkpointed, and checkpointed
+        (its input; selective: and its matmul outputs)."""
+        cache = self._weighted("least_kept", weights)
+        key = tuple(map(self._acts_key, variants))
+        if key not in cache:
+            w = weights
+            acts = [self._block_activations(v) for v in variants]
+            cache[key] = (min(w["act_replicated"] * a.replicated + w["act_parallel"] * a.parallel
+                              + w["act_scores"] * a.scores + w["act_fused"] * a.fused for a in acts),
+                          min(w["act_checkpointed"] * a.input + w["act_selective"] * a.selective for a in acts))
+        return cache[key]
+
+    def _stage_floor(self, point: Mapping[str, Any], stage: int, micro_batches: int,
+                     weights: Mapping[str, float]) -> tuple[float, float]:
+        """A stage's weighted model states (as :meth:`layout_floor`) and, accumulating, the
+        gradients its loss moment holds: once per layout, micro-batch size and stage."""
+        cache = self._weighted("stage_floor", weights)
+        key = (point["tp"], point["pp"], point["dp"], point["zero"], point["micro_batch"], stage)
+        if key not in cache:
+            st = stage_builder(self.layout, point, self.workload, self.backend)(stage)
+            loss = st.moments.get("loss", {}) if micro_batches > 1 else {}
+            cache[key] = (sum(weights[k] * st.base.get(k, 0.0) for k in ("weights", "master", "optimizer", "constant")),
+                          weights["gradients"] * loss.get("gradients", 0.0))
+        return cache[key]
 
     def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
         """Exact peak per stage (one fake step per stage)."""
@@ -177,8 +333,66 @@ class CostModel:
         return self.calibration
 
     def mfu(self, step_seconds: float, world_size: int) -> float:
-        """Model FLOPs utilisation of a measured step time."""
-        return model_flops_per_step(self.layout, self.workload) / (step_seconds * world_size * self.device.flops)
+        """Model FLOPs utilisation of a step time: the model's FLOPs (no recomputation) over the
+        devices' peak, the conventional MFU (PaLM, Chowdhery et al. 2022). A GPU's peak is its
+        datasheet's; a CPU's, every core at the measured one-thread GEMM rate (its ranks share them)."""
+        hw = self.device
+        peak = hw.flops * hw.cores if hw.cores else (hw.peak_flops or hw.flops) * world_size
+        return model_flops_per_step(self.layout, self.workload) / (step_seconds * peak)
+
+
+# what block_activations reads of a point besides whether there is a checkpoint ratio
+_ACTS_KNOBS_NAMES = ("tp", "micro_batch", "attn", "fuse", "sp", "ckpt_policy")
+_ACTS_KNOBS = operator.itemgetter(*_ACTS_KNOBS_NAMES)
+
+
+class _Reads(Mapping[str, Any]):
+    """A point that records which knobs are read of it."""
+
+    def __init__(self, point: Mapping[str, Any]):
+        self.point, self.read = point, set()
+
+    def __getitem__(self, name: str) -> Any:
+        self.read.add(name)
+        return self.point[name]
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.point:
+            self.read.add(name)
+            return True
+        return False
+
+    def __iter__(self):
+        self.read.update(self.point)
+        return iter(self.point)
+
+    def __len__(self) -> int:
+        self.read.update(self.point)
+        return len(self.point)
+
+
+def _apart(reads: _Reads, point: Mapping[str, Any], variants: list[Mapping[str, Any]]) -> dict | None:
+    """``variants`` (indices) by the values of the knobs ``reads`` read in which they differ from
+    ``point``; None where they differ in none (evaluated together rightly)."""
+    read = operator.itemgetter(*reads.read) if reads.read else (lambda v: ())
+    mine = read(point)
+    if all(read(v) == mine for v in variants):
+        return None
+    differ = [k for k in reads.read if any(v[k] != point[k] for v in variants)]
+    apart: dict[tuple, list[int]] = {}
+    for i, v in enumerate(variants):
+        apart.setdefault(tuple(v.get(k) for k in differ), []).append(i)
+    return {key: (members, [variants[i] for i in members]) for key, members in apart.items()}
+
+
+def _merged(apart: dict, evaluate) -> tuple[list[bool], list[int]]:
+    """The verdicts of each part of ``apart`` (:func:`_apart`) by ``evaluate``, in the variants' order."""
+    n = sum(len(members) for members, _ in apart.values())
+    oks, peaks = [False] * n, [0] * n
+    for members, variants in apart.values():
+        for i, ok, peak in zip(members, *evaluate(variants)):
+            oks[i], peaks[i] = ok, peak
+    return oks, peaks
 
 
 def _layout(problem: Problem) -> ModelLayout:

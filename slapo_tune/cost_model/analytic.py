@@ -43,7 +43,8 @@ MEMORY_TERMS = (
     "master",  # bf16: fp32 master weights (replicated: beside the bf16 weights; sharded: the shards)
     "gradients",  # fp32 gradients alive across micro-batches: whole (zero 0-1, pipelined) or shards (2-3)
     "gradients_single",  # the same without accumulation: created while activations are freed
-    "grads_unsharded",  # FSDP: gradients backward just made, in the compute dtype, before upcast or reduction
+    "grads_unsharded",  # gradients backward just made, in the compute dtype, before upcast or reduction (FSDP, autocast)
+    "grads_transient",  # a gradient just made, before it is added in: a weight's, a tied embedding's, the embedding's
     "optimizer",  # AdamW's two fp32 moments per held parameter
     "optimizer_temp",  # the optimizer step's temporaries: a few copies of the largest parameter
     "gathered",  # FSDP: parameters gathered whole in the compute dtype (zero 1-2: the stage; 3: a block)
@@ -59,8 +60,9 @@ MEMORY_TERMS = (
     "act_selective",  # what selectively checkpointed blocks keep besides their input: matmul outputs
     "recompute",  # one block's activations rebuilt during its backward
     "backward_temp",  # a block's backward temporaries: MLP-wide gradients
-    "logits",  # logits and the loss's softmax saved per micro-batch in flight (last stage)
-    "logits_grad",  # the gradient of one micro-batch's logits (last stage, loss phase)
+    "score_grads",  # an attention backward's gradients of materialised scores (eager, SDPA's math fallback)
+    "logits",  # per micro-batch in flight (last stage): the loss's fp32 log-softmax, a pipeline stage's output
+    "logits_grad",  # the loss's backward: two fp32 logits-sized gradients (log-softmax's and its input's)
     "pp_recv",  # pipeline receive buffers per micro-batch: activations (stages after the first), gradients (before the last)
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units (none by default; a calibration may find some)
@@ -94,6 +96,7 @@ DEFAULT_WEIGHTS = {
     "gradients": 1.0,
     "gradients_single": 1.0,
     "grads_unsharded": 1.0,
+    "grads_transient": 1.0,
     "optimizer": 1.0,
     "optimizer_temp": 2.0,
     "gathered": 1.0,
@@ -109,8 +112,9 @@ DEFAULT_WEIGHTS = {
     "act_selective": 1.0,
     "recompute": 1.0,
     "backward_temp": 2.0,
-    "logits": 2.0,
-    "logits_grad": 2.0,
+    "score_grads": 1.0,
+    "logits": 1.0,
+    "logits_grad": 1.0,
     "pp_recv": 1.0,
     "dp_buckets": 1.0,
     # nothing of a fixed size is alive beyond the counted tensors (a real step's peak, measured):
@@ -144,10 +148,14 @@ class ModelLayout:
     post_sharded: int  # after the blocks (LM head) if not tied to the embedding
     post_replicated: int  # after the blocks (final norm, head transform)
     tied_head: bool
-    # measured by :func:`activation_probe`, per attention kernel: bytes one block saves for its
-    # backward per token (fp32), and per attention-score element (per head, per query and key)
-    token_bytes: dict[str, float] = field(default_factory=dict)
-    score_bytes: dict[str, float] = field(default_factory=dict)
+    # measured by :func:`activation_probe`, per precision (``{"amp-bf16": {"sdpa/off/rep": ...}}``),
+    # as the training step runs it: bytes one block saves for its backward per token, and per
+    # attention-score element (per head, per query and key), per attention kernel
+    token_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    score_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    # one line per measurement the probe could not make, and what stands in for it (textbook
+    # counts, a tensor-parallel split not measured): empty when everything was measured
+    probe_fallbacks: list[str] = field(default_factory=list)
 
     @property
     def parameters(self) -> int:
@@ -156,7 +164,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 3  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 4  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config, template: Template) -> ModelLayout:
@@ -216,7 +224,7 @@ def _measure_layout(config, template: Template) -> ModelLayout:
     post_sharded, post_rep = split(post_only)
     heads = config.num_attention_heads
     hidden = config.hidden_size
-    token_bytes, score_bytes = activation_probe(config, template, fusion=bool(template.has_fusion))
+    token_bytes, score_bytes, fallbacks = activation_probe(config, template, fusion=bool(template.has_fusion))
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
              or getattr(config, "n_inner", None) or 4 * hidden)
@@ -227,182 +235,384 @@ def _measure_layout(config, template: Template) -> ModelLayout:
         intermediate=inter, vocab=config.vocab_size, gated_mlp=gated,
         block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
         pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
-        token_bytes=token_bytes, score_bytes=score_bytes,
+        token_bytes=token_bytes, score_bytes=score_bytes, probe_fallbacks=fallbacks,
     )
 
 
 PROBE_SEQ = (64, 128)
+# the precisions the probe measures a block in: every one a workload can run (slapo_tune.precision)
+PROBE_PRECISIONS = ("fp32", "amp-bf16", "bf16")
+# the probe's vocabulary (rounded up to a multiple of the probed tensor-parallel degree): what a
+# block keeps does not depend on it, and a real one (GPT-2's 50257) may be one tp cannot split
+PROBE_VOCAB = 128
 
 
-def _saved_bytes(config, template: Template | None, layers: int, seq: int, point: Mapping[str, Any],
-                 alive: bool = False) -> int:
-    """Bytes a ``layers``-block copy of the model, scheduled for ``point`` (attention kernel,
-    fusion, tensor and sequence parallelism over a fake group, checkpointing), saves for its
-    backward in one training-mode forward of one sequence, parameters excluded. Fake tensors:
-    shapes only, no compute.
+class ProbeRun(NamedTuple):
+    """One forward of the probe: attention kernel, precision, sequence length."""
 
-    ``alive``: count every tensor the forward leaves alive instead (what it saves, and the
-    outputs): a checkpointed block saves through its own hooks, which hide the tensors it keeps
-    (a selective policy's matmul outputs) from the caller's; so does sequence parallelism, whose
-    hooks keep shards of gathered tensors (always counted so)."""
-    import contextlib
+    attn: str
+    precision: str
+    seq: int
+
+
+def probe_tp(config, template: Template | None = None) -> int:
+    """The tensor-parallel degree the probe measures what tensor parallelism divides at: the
+    smallest above 1 that divides everything a block's tensor parallelism splits (the template's
+    sizes but the vocabulary, which the probe picks: heads, KV heads, MLP width); 0 if none."""
+    from dataclasses import replace
+
+    from ..template import ModelInfo
+
+    info = replace(ModelInfo.from_config(config), vocab=0)
+    sizes = template.tp_divides(info) if template is not None else (info.heads, info.kv_heads, info.intermediate)
+    return next((tp for tp in range(2, info.heads + 1) if all(n % tp == 0 for n in sizes)), 0)
+
+
+def probe_config(config, layers: int, tp: int = 1):
+    """A ``layers``-block copy of ``config`` for the probe: a small vocabulary ``tp`` divides (the
+    per-block counts are what one block adds: the embedding and the head cancel out), and
+    positions enough for :data:`PROBE_SEQ`."""
     import copy
 
-    import torch
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = layers
+    pad = getattr(config, "pad_token_id", None)
+    floor = max(PROBE_VOCAB, pad + 1 if isinstance(pad, int) else 0)  # an embedding's padding index must exist
+    small.vocab_size = -(-floor // tp) * tp
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < max(PROBE_SEQ):
+        small.max_position_embeddings = max(PROBE_SEQ)
+    return small
+
+
+def probe_block(config, template: Template | None, point: Mapping[str, Any], runs: Iterable[ProbeRun], *,
+                alive: bool = False, output: bool = True, layers: int | None = None, whole: bool = False,
+                score_elements: dict[ProbeRun, int] | None = None) -> dict[ProbeRun, float | Exception]:
+    """What the second block of a ``layers``-block copy of the model keeps for its backward, one
+    training-mode forward of one sequence per run, as the training step runs it
+    (:meth:`~slapo_tune.runtime.TrainStep.compute_context`): ``amp-bf16`` under autocast (its
+    cached bf16 copies of the weights are the ``compute_copies`` memory term, not counted here),
+    ``bf16`` with the parameters cast as :class:`~slapo_tune.precision.MasterWeights` casts them;
+    scheduled for ``point`` (fusion, tensor and sequence parallelism over a fake group,
+    checkpointing; the attention kernel is each run's). Fake tensors: shapes only, no compute. One
+    build serves every run; each run's bytes, or what it raised.
+
+    Counted: the storages the block's forward saves for backward that nothing before it saved
+    (its input, saved by its first layer, included; parameters, and tensors earlier blocks saved
+    too, such as rotary tables, excluded): what one more block adds to a model's saved bytes.
+    ``alive``: the storages the block's forward creates that are still alive after the model's
+    forward instead, its ``output`` included unless told: a checkpointed block saves through its
+    own hooks, which hide what it keeps (a selective policy's matmul outputs) from the caller's;
+    so does sequence parallelism, whose hooks keep shards of gathered tensors (always counted so).
+    ``whole``: every block's and the rest of the model's, for comparison. ``score_elements``: filled
+    with each run's largest element size of what the block saves in the shape of attention scores
+    (``[..., seq, seq]``; 0 if none): the dtype the scores' backward runs in. ``layers``: 2, or 3 where
+    the forward's alive tensors are counted: the second block is then neither the first nor the
+    last, whose forwards also do the model's work at its ends (sequence parallelism scatters the
+    sequence in the first block, gathers it in the last, and the last block's output is the head's
+    input)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .._build import build
+    from .._data_parallel import largest_module_list
     from ..models import model_from_config
+    from ..precision import precision as precision_named
     from ..template import set_attention
     from ..topology import init_topology
-    from .exact import fake_mask_decisions
 
-    small = copy.deepcopy(config)
-    small.num_hidden_layers = layers
     tp = point["tp"]
+    runs = sorted(set(runs), key=lambda r: precision_named(r.precision).master)  # bf16 last: its cast is one-way
+    sequence_parallel = tp > 1 and knob_value(point, "sp") == "on"
+    alive = alive or sequence_parallel
+    layers = layers or (3 if alive else 2)
+    results: dict[ProbeRun, float | Exception] = {}
     if tp > 1:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:
-        topology = init_topology(pp=1, tp=tp) if tp > 1 else None
+        try:
+            topology = init_topology(pp=1, tp=tp) if tp > 1 else None  # real tensors: before the fake mode
+        except Exception as exc:  # noqa: BLE001 - every run fails alike
+            return dict.fromkeys(runs, exc)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            if template is None:
-                model = model_from_config(small, "cpu")
-                set_attention(model, point["attn"])
-            else:
-                meta = model_from_config(small, "meta")
-                meta.config.use_cache = False
-                sch = template.schedule(meta, {"ckpt_ratio": 0.0, "ckpt_policy": "full", "sp": "off", **point,
-                                               "pp": 1, "vpp": 1}, topology)
-                model = build(sch, seed=0)
-            model.config.use_cache = False
-            model.train()
-            params = {id(p.untyped_storage()) for p in model.parameters()}
-            saved: dict[int, tuple[object, int]] = {}
-
-            def pack(t):
-                storage = t.untyped_storage()
-                if id(storage) not in params:
-                    saved[id(storage)] = (storage, storage.nbytes())  # holding it keeps ids unique
-                return t
-
-            ids = torch.zeros(1, seq, dtype=torch.long)
-            sequence_parallel = tp > 1 and knob_value(point, "sp") == "on"
-            if alive or sequence_parallel:
-                from ..parallelize import sequence_parallel_activations
-                from ._tracker import PeakTracker
-
-                tracker = PeakTracker()
-                tracker.track(model)  # parameters (and the views forward takes of them) are not kept
-                # as the training step runs it (runtime.TrainStep.compute_context): under sequence
-                # parallelism, gathered tensors layers save are kept as this rank's shard
-                shards = sequence_parallel_activations() if sequence_parallel else contextlib.nullcontext()
-                with tracker, shards, fake_mask_decisions():
-                    out = model(input_ids=ids)  # noqa: F841 - alive while counted
-                    kept = tracker.current["activations"]
-            else:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fake_mask_decisions():
-                    model(input_ids=ids)
-                kept = sum(n for _, n in saved.values())
+            try:
+                small = probe_config(config, layers, tp)
+                if template is None:
+                    model = model_from_config(small, "cpu")
+                else:
+                    meta = model_from_config(small, "meta")
+                    meta.config.use_cache = False
+                    sch = template.schedule(meta, {"ckpt_ratio": 0.0, "ckpt_policy": "full", "sp": "off",
+                                                   "attn": runs[0].attn, "fuse": "off", **point, "pp": 1, "vpp": 1},
+                                            topology)
+                    model = build(sch, seed=0)
+                model.config.use_cache = False
+                model.train()
+                blocks = template.blocks_path(model) if template is not None else largest_module_list(model)[0]
+                block = model.get_submodule(blocks)[min(1, layers - 1)]
+            except Exception as exc:  # noqa: BLE001 - every run fails alike
+                return dict.fromkeys(runs, exc)
+            cast = False
+            for run in runs:
+                try:
+                    mode = precision_named(run.precision)
+                    if mode.master and not cast:  # bf16 parameters, as MasterWeights makes them
+                        for p in {id(p): p for p in model.parameters()}.values():
+                            p.data = p.data.to(mode.param_dtype)
+                        cast = True
+                    set_attention(model, run.attn)
+                    found: list[int] = [0]
+                    results[run] = float(_block_bytes(model, block, run.seq, mode.autocast, alive, output, whole,
+                                                      sequence_parallel, found))
+                    if score_elements is not None:
+                        score_elements[run] = found[0]
+                except Exception as exc:  # noqa: BLE001 - recorded by the caller
+                    results[run] = exc
     finally:
         if tp > 1:
             dist.destroy_process_group()
-    return kept
+    return results
 
 
-def activation_probe(config, template: Template | None = None, fusion: bool = False
-                     ) -> tuple[dict[str, float], dict[str, float]]:
-    """What one block keeps for its backward, measured rather than assumed: dropout masks,
-    softmax copies, kernels that fall back to materialising the scores (SDPA with attention
-    dropout), fused layers, what tensor parallelism really divides: all differ by family.
+def _block_bytes(model, block, seq: int, autocast, alive: bool, output: bool, whole: bool,
+                 sequence_parallel: bool, score_element: list[int]) -> int:
+    """One forward for :func:`probe_block` (``score_element[0]``: the largest element size of the
+    score-shaped tensors the block saves)."""
+    import contextlib
+    import weakref
 
-    The saved bytes of a one- and a two-block copy, at two sequence lengths, give a block's bytes
-    per score element (per head) and per token. With ``template``, the block is scheduled: per
-    token bytes for each ``attn/fuse`` and for tp 1 and 2 (keys ``"sdpa/off/1"``...), from which
-    the replicated part (``.../rep``) and the part tensor parallelism divides (``.../par``) follow.
-    Returns ``({}, {})`` where the model cannot run on fake tensors (the textbook counts apply).
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
 
-    Two more measurements, where tp 2 runs: sequence parallelism (tp 2, SDPA, per fusion) cuts
-    the replicated bytes along the sequence, ``seq/<fuse>`` per token: norm inputs, residuals,
-    dropout masks between the tensor-parallel regions, and the regions' inputs, which their first
-    linear layers save as this rank's shard and gather again in backward (as the training step
-    runs them: :func:`~slapo_tune.parallelize.sequence_parallel_activations`); and a
-    selectively checkpointed block (:meth:`~slapo_tune._schedule.Schedule.checkpoint`) keeps its
+    from .exact import fake_mask_decisions
+
+    params = {id(p.untyped_storage()) for p in model.parameters()}
+    # and buffers, autocast's copies of the parameters, and the block's output unless counted
+    excluded = params | {id(b.untyped_storage()) for b in model.buffers()}
+    held: list[object] = []  # storages whose ids are in a set: holding them keeps the ids unique
+    state = {"inside": whole}
+    saved: dict[int, object] = {}
+    seen: set[int] = set()
+    # every storage the forward makes, and whether the block made it (a view the block takes of an
+    # earlier tensor, its input, is not the block's)
+    created: dict[int, tuple[weakref.ref, bool]] = {}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+                    and id(args[0].untyped_storage()) in params):
+                storage = out.untyped_storage()
+                excluded.add(id(storage))
+                held.append(storage)
+            elif alive:
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        storage = t.untyped_storage()
+                        known = created.get(id(storage))
+                        if known is None or known[0]() is not storage:  # new (its id may be a dead one's)
+                            created[id(storage)] = (weakref.ref(storage), state["inside"])
+            return out
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in seen:
+            seen.add(key)
+            if state["inside"]:
+                saved[key] = storage
+        if state["inside"] and t.dim() >= 2 and t.shape[-1] == t.shape[-2] == seq:
+            score_element[0] = max(score_element[0], t.element_size())
+        held.append(storage)
+        return t
+
+    def enter(*_):
+        state["inside"] = True
+
+    def leave(_module, _args, out):
+        state["inside"] = whole
+        if not output:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    excluded.add(id(t.untyped_storage()))
+                    held.append(t.untyped_storage())
+
+    hooks = [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    stack = contextlib.ExitStack()
+    try:
+        if sequence_parallel:
+            from ..parallelize import sequence_parallel_activations
+
+            # as the training step runs it: gathered tensors layers save are kept as this rank's shard
+            stack.enter_context(sequence_parallel_activations())
+        if autocast is not None:
+            stack.enter_context(torch.autocast("cpu", dtype=autocast))
+        if alive or autocast is not None:
+            stack.enter_context(Watch())
+        if not alive:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(fake_mask_decisions())
+        with stack:
+            out = model(input_ids=torch.zeros(1, seq, dtype=torch.long))  # noqa: F841 - alive while counted
+            if alive:
+                return sum(s.nbytes() for key, (ref, inside) in created.items()
+                           if inside and (s := ref()) is not None and key not in excluded)
+            return sum(s.nbytes() for key, s in saved.items() if key not in excluded)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def activation_probe(config, template: Template | None = None, fusion: bool = False,
+                     precisions: Iterable[str] = PROBE_PRECISIONS
+                     ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]], list[str]]:
+    """What one block keeps for its backward, measured rather than assumed, in each precision as
+    the training step runs it (:func:`probe_block`: fp32; autocast's fp32 copies kept for
+    backward beside its bf16 matmul outputs; bf16): dropout masks, softmax copies, kernels that
+    fall back to materialising the scores (SDPA with attention dropout), fused layers, what tensor
+    parallelism really divides: all differ by family and precision.
+
+    Per precision, a block's saved bytes at two sequence lengths give its bytes per score element
+    (per head) and per token. With ``template``, the block is scheduled: per token bytes for each
+    ``attn/fuse`` at tp 1 and at the smallest degree that divides a block (:func:`probe_tp`), from
+    which the replicated part (``.../rep``) and the part tensor parallelism divides (``.../par``)
+    follow. Returns ``({precision: {key: bytes}}, {precision: {attn: bytes}}, fallbacks)``: each
+    measurement fails alone, and every one that could not be made is a line of ``fallbacks``,
+    saying what stands in for it (the textbook counts where a precision's tp=1 block cannot run).
+
+    Two more measurements, where a tensor-parallel degree runs: sequence parallelism (SDPA, per
+    fusion) cuts the replicated bytes along the sequence, ``seq/<fuse>`` per token: norm inputs,
+    residuals, dropout masks between the tensor-parallel regions, and the regions' inputs, which
+    their first linear layers save as this rank's shard and gather again in backward (as the
+    training step runs them: :func:`~slapo_tune.parallelize.sequence_parallel_activations`); and
+    a selectively checkpointed block (:meth:`~slapo_tune._schedule.Schedule.checkpoint`) keeps its
     linear layers' matmul outputs besides its input, ``sel/rep`` per token on every rank
     (row-parallel outputs, partial sums before their reduction) and ``sel/par`` divided by tp
     (column-parallel outputs); its input is counted with the checkpointed inputs. Those two are
     counted by what the forward leaves alive (a checkpoint hides what it keeps from saved-tensor
-    hooks), and are left out (the textbook counts apply) where they cannot be measured.
+    hooks).
     """
     import torch.distributed as dist
 
     heads = config.num_attention_heads
-    token_bytes, score_bytes = {}, {}
     s1, s2 = PROBE_SEQ
-    tps = (1, 2) if template is not None and not dist.is_initialized() and heads % 2 == 0 else (1,)
-    try:
-        for attn in ("eager", "sdpa"):
-            base = {"attn": attn, "fuse": "off", "tp": 1}
-            per_block = [_saved_bytes(config, template, 2, s, base) - _saved_bytes(config, template, 1, s, base)
-                         for s in (s1, s2)]
+    precisions = tuple(precisions)
+    attns = ("eager", "sdpa")
+    fuses = ("off", "on") if fusion and template is not None else ("off",)
+    fallbacks: list[str] = []
+    tp = probe_tp(config, template) if template is not None else 0
+    if template is not None and not tp:
+        fallbacks.append("tp: no degree above 1 divides the heads, KV heads and MLP width (no tensor-parallel split "
+                         "measured)")
+    elif tp and dist.is_initialized():
+        fallbacks.append(f"tp={tp}: not probed, this process is in a process group already (every tensor-parallel "
+                         "rank counted as keeping a whole block)")
+        tp = 0
+    degrees = (1, tp) if tp else (1,)
+
+    def runs(attn_kernels: Iterable[str], seqs: Iterable[int] = (s1,)) -> list[ProbeRun]:
+        return [ProbeRun(a, p, s) for a in attn_kernels for p in precisions for s in seqs]
+
+    def measure(point: Mapping[str, Any], probe_runs: list[ProbeRun], **kwargs) -> dict[ProbeRun, float | Exception]:
+        """One build's runs; whatever goes wrong fails them alone (the caller records it)."""
+        try:
+            return probe_block(config, template, point, probe_runs, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. a process group that cannot start
+            return dict.fromkeys(probe_runs, exc)
+
+    # one build per scheduled block; its runs: each attention kernel and precision
+    elements: dict[ProbeRun, int] = {}
+    plain = {("off", 1): measure({"fuse": "off", "tp": 1}, runs(attns, (s1, s2)), score_elements=elements)}
+    # the length at which score-shaped tensors are not also the heads' [seq, head_dim] ones
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    s_scores = s2 if s2 != head_dim else s1
+    for fuse in fuses:
+        for t in degrees:
+            if (fuse, t) not in plain:
+                plain[fuse, t] = measure({"fuse": fuse, "tp": t}, runs(attns))
+    shards, selective = {}, {}
+    s_sp = -(-s1 // tp) * tp if tp else s1  # sequence parallelism cuts the sequence in tp shards
+    if template is not None:
+        if tp:
+            shards = {fuse: measure({"fuse": fuse, "tp": tp, "sp": "on"}, runs(("sdpa",), (s_sp,)))
+                      for fuse in fuses}
+        # a block's input (the previous block's output) is counted with the checkpointed inputs
+        selective = {t: measure({"fuse": "off", "tp": t, "ckpt_ratio": 1.0, "ckpt_policy": "selective"},
+                                runs(("sdpa",)), alive=True, output=False) for t in degrees}
+
+    def split(whole: float, parted: float | None) -> float:
+        """The replicated part of ``whole`` bytes (tp 1), given the bytes at tp ``tp``."""
+        return whole if parted is None else min(whole, max(0.0, (tp * parted - whole) / (tp - 1)))
+
+    token_bytes: dict[str, dict[str, float]] = {}
+    score_bytes: dict[str, dict[str, float]] = {}
+    for prec in precisions:
+        def value(results: Mapping[ProbeRun, float | Exception], attn: str, seq: int, what: str,
+                  instead: str) -> float | None:
+            got = results.get(ProbeRun(attn, prec, seq))  # noqa: B023 - read in this iteration only
+            if isinstance(got, Exception):
+                line = f"{prec} {what}: {type(got).__name__}: {_first_line(got)} ({instead})"  # noqa: B023
+                if line not in fallbacks:
+                    fallbacks.append(line)
+                return None
+            return got
+
+        tokens: dict[str, float] = {}
+        scores: dict[str, float] = {}
+        for attn in attns:
+            per_seq = [value(plain["off", 1], attn, s, f"tp=1 attn={attn}", "textbook counts") for s in (s1, s2)]
+            if None in per_seq:
+                continue
             # bytes(s) = s * token + heads * s^2 * score
-            score = max(0.0, (per_block[1] / s2 - per_block[0] / s1) / (heads * (s2 - s1)))
-            score_bytes[attn] = score
-            for fuse in ("off", "on") if fusion and template is not None else ("off",):
-                tokens = {}
-                for tp in tps:
-                    point = {"attn": attn, "fuse": fuse, "tp": tp}
-                    block = _saved_bytes(config, template, 2, s1, point) - _saved_bytes(config, template, 1, s1, point)
-                    tokens[tp] = max(0.0, block / s1 - heads / tp * s1 * score)
-                rep = min(tokens[1], max(0.0, 2 * tokens[2] - tokens[1])) if 2 in tokens else tokens[1]
-                token_bytes[f"{attn}/{fuse}/rep"] = rep
-                token_bytes[f"{attn}/{fuse}/par"] = tokens[1] - rep
-    except Exception:  # noqa: BLE001 - a model that cannot run on fake tensors keeps the textbook counts
-        return {}, {}
-    if template is not None and 2 in tps:
-        token_bytes.update(_technique_probe(config, template, fusion, token_bytes, score_bytes))
-    return token_bytes, score_bytes
-
-
-def _technique_probe(config, template: Template, fusion: bool, token_bytes: Mapping[str, float],
-                     score_bytes: Mapping[str, float]) -> dict[str, float]:
-    """Per token bytes of sequence parallelism's shard (``seq/<fuse>``) and of what a selectively
-    checkpointed block keeps besides its input (``sel/rep``, ``sel/par``); see :func:`activation_probe`."""
-    s1 = PROBE_SEQ[0]
-    heads, hidden = config.num_attention_heads, config.hidden_size
-    out: dict[str, float] = {}
-
-    def block(point: Mapping[str, Any], alive: bool = False) -> float:
-        return (_saved_bytes(config, template, 2, s1, point, alive)
-                - _saved_bytes(config, template, 1, s1, point, alive)) / s1
-
-    try:  # a template whose blocks sequence parallelism cannot cut keeps the textbook count
-        scores = heads / 2 * s1 * score_bytes.get("sdpa", 0.0)
-        for fuse in ("off", "on") if fusion else ("off",):
-            rep, par = token_bytes[f"sdpa/{fuse}/rep"], token_bytes[f"sdpa/{fuse}/par"]
-            sharded = max(0.0, block({"attn": "sdpa", "fuse": fuse, "tp": 2, "sp": "on"}) - scores)
-            # rep + par / 2 without, rep - seq / 2 + par / 2 with sequence parallelism
-            out[f"seq/{fuse}"] = min(rep, max(0.0, 2 * (rep + par / 2 - sharded)))
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        # a block's input (the previous block's output) is alive besides what the block keeps
-        kept = {tp: max(0.0, block({"attn": "sdpa", "fuse": "off", "tp": tp, "ckpt_ratio": 1.0,
-                                    "ckpt_policy": "selective"}, alive=True) - hidden * 4) for tp in (1, 2)}
-        rep = min(kept[1], max(0.0, 2 * kept[2] - kept[1]))
-        out["sel/rep"], out["sel/par"] = rep, kept[1] - rep
-    except Exception:  # noqa: BLE001
-        pass
-    return out
-
+            scores[attn] = max(0.0, (per_seq[1] / s2 - per_seq[0] / s1) / (heads * (s2 - s1)))
+            if scores[attn]:
+                # their backward holds two gradients at once, in the dtype the scores are saved in
+                scores[f"{attn}/grad"] = 2.0 * elements.get(ProbeRun(attn, prec, s_scores), 0)
+            for fuse in fuses:
+                per_tp: dict[int, float] = {}
+                for t in degrees:
+                    what = f"tp={t} attn={attn}" + (" fuse=on" if fuse == "on" else "")
+                    instead = ("counted as kept whole by every tensor-parallel rank" if t > 1
+                               else "fuse=off's counts and a textbook fused extra")
+                    got = value(plain[fuse, t], attn, s1, what, instead)
+                    if got is not None:
+                        per_tp[t] = max(0.0, got / s1 - heads / t * s1 * scores[attn])
+                if 1 in per_tp:
+                    rep = split(per_tp[1], per_tp.get(tp))
+                    tokens[f"{attn}/{fuse}/rep"], tokens[f"{attn}/{fuse}/par"] = rep, per_tp[1] - rep
+        for fuse, results in shards.items():
+            got = value(results, "sdpa", s_sp, f"tp={tp} sp=on" + (" fuse=on" if fuse == "on" else ""),
+                        "textbook: every replicated byte on a sequence shard")
+            if got is None or f"sdpa/{fuse}/rep" not in tokens:
+                continue
+            rep, par = tokens[f"sdpa/{fuse}/rep"], tokens[f"sdpa/{fuse}/par"]
+            sharded = max(0.0, got / s_sp - heads / tp * s_sp * scores["sdpa"])
+            # rep + par / tp without, rep - seq + seq / tp + par / tp with sequence parallelism
+            tokens[f"seq/{fuse}"] = min(rep, max(0.0, (rep + par / tp - sharded) * tp / (tp - 1)))
+        kept = {t: value(results, "sdpa", s1, f"tp={t} ckpt_policy=selective", "textbook counts")
+                for t, results in selective.items()}
+        if kept.get(1) is not None:
+            rep = split(kept[1] / s1, None if kept.get(tp) is None else kept[tp] / s1)
+            tokens["sel/rep"], tokens["sel/par"] = rep, kept[1] / s1 - rep
+        if tokens or scores:
+            token_bytes[prec], score_bytes[prec] = tokens, scores
+    return token_bytes, score_bytes, fallbacks
 
 from .._data_parallel import _BUCKET_BYTES as DP_BUCKET_BYTES  # noqa: E402
 
 # Bytes per parameter of the model states (slapo_tune.precision). Gradients are fp32 at every
 # precision: fp32 parameters' own, bf16's master gradients, or FSDP's reduce dtype (fp32).
 GRAD_BYTES = 4
+SCORE_GRAD_BYTES = 8  # two fp32 gradients per attention-score element, where not measured (block_activations)
+LOSS_BYTES = 4  # Hugging Face's losses upcast the logits: the log-softmax they keep is fp32 at every precision
 MASTER_BYTES = 4  # bf16: fp32 master weights (MasterWeights where replicated, FSDP's fp32 shards where sharded)
 SHARD_BYTES = 4  # FSDP's parameter shards are fp32 at every precision (the masters under bf16)
 MOMENT_BYTES = 8  # AdamW's two fp32 moments
@@ -549,6 +759,8 @@ class BlockActivations(NamedTuple):
     input: float  # the block's input: all a fully checkpointed block keeps, what stages receive
     selective: float  # besides its input, what a selectively checkpointed block keeps: matmul outputs
     selective_parallel: float  # the column-parallel part of ``selective`` (a plain block saves it too)
+    # the gradients a block's attention backward holds at once where it materialises the scores
+    score_grads: float = 0.0
 
     def kept(self, checkpointed: str | None = None) -> float:
         """All a block keeps: not checkpointed (None), ``"full"`` or ``"selective"``."""
@@ -561,7 +773,8 @@ class BlockActivations(NamedTuple):
 
 def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> BlockActivations:
     """What one block of ``layout`` keeps per micro-batch under ``point``, from the activation
-    probe's per-token counts (:func:`activation_probe`; textbook counts where it could not run):
+    probe's counts in the workload's precision, as measured (:func:`activation_probe`; textbook
+    counts where it could not run, which the layout's ``probe_fallbacks`` say):
     tensor parallelism divides the ``parallel`` part and the scores; sequence parallelism (``sp``)
     the part of ``replicated`` between the regions and the block's input; a selective
     checkpoint's matmul outputs (``selective``) are there only with ``ckpt_policy`` selective."""
@@ -570,45 +783,52 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     tp, b, attn, fuse = point["tp"], point["micro_batch"], point["attn"], point["fuse"]
     sp = tp > 1 and knob_value(point, "sp") == "on"
     selective = point["ckpt_ratio"] > 0 and knob_value(point, "ckpt_policy") == "selective"
-    s, B = workload.seq_len, precision(workload.precision).activation_bytes
+    mode = precision(workload.precision)
+    s, B = workload.seq_len, mode.activation_bytes
     q = layout.heads * layout.head_dim
     kv = layout.kv_heads * layout.head_dim
     attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
     mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
     tokens = b * s
-    # a block's saved bytes per token, measured by the probe (fp32): the part every tensor-parallel
-    # rank keeps and the part it divides; the textbook counts where the model could not be probed
+    # a block's saved bytes per token, measured by the probe in the workload's precision: the part
+    # every tensor-parallel rank keeps and the part it divides; the textbook counts (B bytes an
+    # element) where the model could not be probed in it (the layout's probe_fallbacks say why)
+    measured = layout.token_bytes.get(workload.precision, {})
     key = f"{attn}/{fuse}"
     fused_extra = 0.0
-    if f"{key}/rep" in layout.token_bytes:
-        rep_bytes, par_bytes = layout.token_bytes[f"{key}/rep"], layout.token_bytes[f"{key}/par"]
-    elif f"{attn}/off/rep" in layout.token_bytes:
-        rep_bytes, par_bytes = layout.token_bytes[f"{attn}/off/rep"], layout.token_bytes[f"{attn}/off/par"]
-        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
+    if f"{key}/rep" in measured:
+        rep_bytes, par_bytes = measured[f"{key}/rep"], measured[f"{key}/par"]
+    elif f"{attn}/off/rep" in measured:
+        rep_bytes, par_bytes = measured[f"{attn}/off/rep"], measured[f"{attn}/off/par"]
+        fused_extra = layout.intermediate * B if fuse == "on" else 0.0
     else:
-        rep_bytes, par_bytes = 4 * 5 * layout.hidden, 4 * (attn_width + mlp_width)
-        fused_extra = layout.intermediate * 4 if fuse == "on" else 0.0
-    scale = B / 4
+        rep_bytes, par_bytes = B * 5 * layout.hidden, B * (attn_width + mlp_width)
+        fused_extra = layout.intermediate * B if fuse == "on" else 0.0
     # sequence parallelism: the replicated bytes (norm inputs, residuals, dropout masks between the
     # tensor-parallel regions, and the regions' inputs, kept as shards and gathered again in
     # backward) are on a sequence shard; the textbook count: all of them
-    seq_bytes = layout.token_bytes.get(f"seq/{fuse}", layout.token_bytes.get("seq/off", rep_bytes))
+    seq_bytes = measured.get(f"seq/{fuse}", measured.get("seq/off", rep_bytes))
     seq_bytes = min(rep_bytes, seq_bytes) if sp else 0.0
-    rep_1 = tokens * (rep_bytes - seq_bytes + seq_bytes / tp) * scale
-    par_1 = tokens * par_bytes / tp * scale
+    rep_1 = tokens * (rep_bytes - seq_bytes + seq_bytes / tp)
+    par_1 = tokens * par_bytes / tp
     # selective recomputation keeps the matmul outputs of a checkpointed block (row-parallel ones
     # whole: partial sums before their reduction; column-parallel ones divided), recomputes the rest
-    sel_rep = layout.token_bytes.get("sel/rep", 4 * 2 * layout.hidden)
-    sel_par = layout.token_bytes.get("sel/par", 4 * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
-    sel_par_1 = tokens * sel_par / tp * scale if selective else 0.0
-    sel_1 = tokens * sel_rep * scale + sel_par_1 if selective else 0.0
-    score_bytes = layout.score_bytes.get(attn, 8.0 if attn == "eager" else 0.0)
-    scores_1 = b * (layout.heads / tp) * s * s * score_bytes * scale
-    fused_1 = tokens * fused_extra / tp * scale
+    sel_rep = measured.get("sel/rep", B * 2 * layout.hidden)
+    sel_par = measured.get("sel/par", B * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
+    sel_par_1 = tokens * sel_par / tp if selective else 0.0
+    sel_1 = tokens * sel_rep + sel_par_1 if selective else 0.0
+    score_bytes = layout.score_bytes.get(workload.precision, {}).get(attn, 2.0 * B if attn == "eager" else 0.0)
+    scores_1 = b * (layout.heads / tp) * s * s * score_bytes
+    # the backward of materialised scores holds two score-sized gradients at once (the softmax's
+    # output's and its input's), in the dtype the softmax ran in (measured; textbook: fp32)
+    grad_bytes = layout.score_bytes.get(workload.precision, {}).get(f"{attn}/grad", SCORE_GRAD_BYTES)
+    score_grads_1 = b * (layout.heads / tp) * s * s * grad_bytes if score_bytes else 0.0
+    fused_1 = tokens * fused_extra / tp
     # a block's input: checkpointed blocks keep it, pipeline stages receive it (a sequence shard
-    # under sequence parallelism)
-    hidden_1 = tokens * layout.hidden * B / (tp if sp else 1)
-    return BlockActivations(rep_1, par_1, scores_1, fused_1, hidden_1, sel_1, sel_par_1)
+    # under sequence parallelism); the residual stream is in the parameters' dtype (fp32 under
+    # autocast, which casts only what the matrix products read)
+    hidden_1 = tokens * layout.hidden * mode.param_bytes / (tp if sp else 1)
+    return BlockActivations(rep_1, par_1, scores_1, fused_1, hidden_1, sel_1, sel_par_1, score_grads_1)
 
 
 def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
@@ -632,12 +852,17 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
 
 
 def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
-                  backend: str = "nccl", acts: BlockActivations | None = None) -> Callable[[int], StageTerms]:
+                  backend: str = "nccl", acts: BlockActivations | None = None,
+                  linear: bool = False) -> Callable[[int], StageTerms]:
     """:func:`memory_terms` one stage at a time: the knobs read once, a function of the stage.
 
     ``acts``: what a block keeps, if not ``point``'s (:func:`block_activations`, the only thing
     read of the knobs that change it). Its fields may be numpy arrays, one element per point: the
-    terms are then arrays, each element the same float operations as for that point alone."""
+    terms are then arrays, each element the same float operations as for that point alone.
+
+    ``linear``: every term is linear in what a block keeps (each a multiple of one of
+    :class:`LinearFeatures`, or none); the terms are then the multiples, whatever a block keeps
+    (:func:`linear_terms` reads them)."""
     from ..precision import precision
 
     # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
@@ -659,9 +884,18 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     state_bytes = model_state_bytes(workload.precision, level, dp)
     per_stage = layout.layers // pp
     tokens = b * s
-    acts = block_activations(layout, point, workload) if acts is None else acts
+    if linear:
+        acts = UNIT_ACTIVATIONS
+    elif acts is None:
+        acts = block_activations(layout, point, workload)
     rep_1, par_1, scores_1, fused_1 = acts.replicated, acts.parallel, acts.scores, acts.fused
     sel_1, sel_par_1, hidden_1 = acts.selective, acts.selective_parallel, acts.input
+    score_grads_1 = acts.score_grads
+    # of a block's activations, the share its MLP keeps (freed once the MLP's backward is done): the
+    # textbook widths' of the tensor-parallel part, half of the replicated part (one of two norms)
+    attn_width = 2 * layout.heads * layout.head_dim + 2 * layout.kv_heads * layout.head_dim
+    mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
+    mlp_par_share, mlp_rep_share = mlp_width / (attn_width + mlp_width), 0.5
     temp_1 = tokens * layout.intermediate / tp * B  # one MLP-wide gradient, alive in a block's backward
     block = layout.block_sharded / tp + layout.block_replicated
     largest = max(layout.block_sharded / 4, layout.pre_sharded, layout.post_sharded) / tp
@@ -670,6 +904,13 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     # saves its own for backward, as an activation
     copy_bytes = B if mode.autocast is not None else 0
     head_matrix = (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
+    # the largest weight gradient a block's backward makes at once (an MLP matrix), alive beside
+    # what is accumulated before it is added in (the same for every attention kernel and fusion:
+    # points differing only in those share these terms)
+    mlp_matrix = layout.hidden * layout.intermediate / tp
+    embedding = layout.pre_sharded / tp
+    # a tied embedding's gradient from the head, held until the embedding's backward adds its own
+    tied_wait = embedding if layout.tied_head and pp == 1 else 0.0
 
     def stage_terms(stage: int) -> StageTerms:
         first, last = stage == 0, stage == pp - 1
@@ -700,7 +941,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         per_mb = _nonzero({
             "act_replicated": rep_1 * full, "act_parallel": par_1 * full, "act_scores": scores_1 * full,
             "act_fused": fused_1 * full, "act_checkpointed": hidden_1 * ckpt, "act_selective": sel_1 * ckpt,
-            "compute_copies": copy_bytes * full * layout.block_sharded / tp if sharded else 0.0,
+            "compute_copies": copy_bytes * (full * layout.block_sharded / tp + (head_matrix if last else 0.0))
+            if sharded else 0.0,
         })
         base = _nonzero({
             "weights": params * state_bytes["weights"], "master": params * state_bytes["master"],
@@ -741,14 +983,28 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             """The gradients alive while the backward runs block ``position``."""
             made = (per_stage - 1 - position) * block + head  # parameters whose gradients this backward made
             if not sharded:
-                return {"gradients": grads} if accumulated else _fresh_gradients(m, False, made * G)
+                if not accumulated:
+                    return {**_fresh_gradients(m, False, made * G), "grads_transient": mlp_matrix * G}
+                # beside the accumulated gradients, the one just made (before it is added in), and
+                # what waits for the end of the backward: amp-bf16's gradients of the step's cached
+                # bf16 weight copies (their casts are the first micro-batch's autograd nodes, which run
+                # after everything this one made), else a tied embedding's gradient from the head,
+                # held until the embedding adds its own
+                if copy_bytes:
+                    waiting = ((per_stage - 1 - position) * layout.block_sharded / tp + (head_matrix if last else 0.0))
+                    return {"gradients": grads, "grads_unsharded": waiting * copy_bytes,
+                            "grads_transient": mlp_matrix * copy_bytes}
+                return {"gradients": grads, "grads_transient": (tied_wait + mlp_matrix) * Pb}
             if level == 1 or deferred:
                 # whole gradients until the step's reduce-scatter, fp32 once accumulated: FSDP upcasts
                 # bf16 gradients to its reduce dtype when a backward ends, so until then this
-                # backward's bf16 gradients are alive beside the fp32 ones
+                # backward's bf16 gradients are alive beside the fp32 ones; and, as without FSDP, the
+                # gradient just made and a tied embedding's from the head (autocast's copies are
+                # made again each micro-batch: their gradients are added in at once)
                 if not accumulated:
                     return _fresh_gradients(m, False, made * Pb)
-                return {"gradients": grads, "grads_unsharded": made * Pb if Pb != G else 0.0}
+                return {"gradients": grads, "grads_unsharded": made * Pb if Pb != G else 0.0,
+                        "grads_transient": (0.0 if Pb != G else tied_wait * Pb) + mlp_matrix * (Pb + copy_bytes)}
             # levels 2 and 3, one stage: blocks reduce-scattered as their backward ends; the running
             # block's gradients and the root's (until the root's reduce at the end) unsharded
             current = {"grads_unsharded": (block + head) * Pb}
@@ -769,7 +1025,12 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         top = per_stage - 1
         # a checkpointed block's backward rebuilds its activations (selective: beside the matmul
         # outputs it kept, which include the column-parallel ones a plain block saves)
-        recompute = _at_least_zero(rep_1 + par_1 + scores_1 + fused_1 - sel_par_1) if ckpt else 0.0
+        if linear:
+            recompute = 1.0 if ckpt else 0.0  # the coefficient of LinearFeatures' recompute
+        else:
+            recompute = _at_least_zero(rep_1 + par_1 + scores_1 + fused_1 - sel_par_1) if ckpt else 0.0
+        # under FSDP (autocast's cache off) the rebuilt block casts its weights again and keeps the copies
+        recopies = copy_bytes * layout.block_sharded / tp if ckpt and sharded else 0.0
 
         def after_top(flight: int) -> dict[str, float]:
             """Activations once the stage's last block has finished its backward."""
@@ -785,7 +1046,13 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             return acts
 
         forward = {} if not sharded else {"gathered": whole} if level < 3 else {"gathered": one + root}
-        logits_1 = tokens * layout.vocab * B if last else 0.0
+        # a micro-batch's logits on the last stage: Hugging Face's loss upcasts them and keeps the
+        # log-softmax for backward (fp32 at every precision; the logits themselves are freed), and a
+        # pipeline stage keeps its output (the logits, in the compute dtype) until its backward ends.
+        # The loss's backward makes two fp32 gradients of that size beside the log-softmax
+        loss_1 = tokens * layout.vocab * LOSS_BYTES if last else 0.0
+        out_1 = tokens * layout.vocab * B if last and pp > 1 else 0.0
+        logits_1 = loss_1 + out_1
         events = {
             # the most micro-batches in flight, before this step's first backward: no gradients yet
             "forward": {**cache, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
@@ -813,16 +1080,26 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             variants.insert(0, ("_first", fresh, logits_fresh, False))
         for suffix, flight, logits_flight, accumulated in variants:
             acts = {k: v * flight for k, v in per_mb.items()}
-            logits = logits_1 * logits_flight
+            # once the loss's backward is done, the micro-batch's log-softmax is freed
+            logits = out_1 * logits_flight + loss_1 * (logits_flight - 1)
             alive = gradients(per_stage, True) if accumulated else {}
             alive.pop("grads_unsharded", None)
-            # the loss of a micro-batch: its logits' gradient (and a temporary) beside the logits
-            events["loss" + suffix] = {**cache, **alive, **acts, "logits": logits, "logits_grad": logits_1,
-                                       **gathered(per_stage, accumulated)}
+            alive.pop("grads_transient", None)
+            # the loss of a micro-batch: its logits' gradients beside the logits
+            events["loss" + suffix] = {**cache, **alive, **acts, "logits": logits_1 * logits_flight,
+                                       "logits_grad": 2 * loss_1, **gathered(per_stage, accumulated)}
             # the stage's backward starts: every activation alive, the block's gradient temporaries
             events["backward_start" + suffix] = {
                 **cache, **acts, "logits": logits, "backward_temp": temp_1,
                 **gathered(top, accumulated), **gradients(top, accumulated)}
+            if top not in positions and (score_grads_1.any() if isinstance(score_grads_1, np.ndarray) else score_grads_1):
+                # the last block's attention backward: its MLP's activations freed, the gradients of
+                # its materialised scores alive
+                events["backward_attention" + suffix] = {
+                    **cache, **acts, "act_replicated": rep_1 * (full * flight - mlp_rep_share),
+                    "act_parallel": par_1 * (full * flight - mlp_par_share), "act_fused": fused_1 * (full * flight - 1),
+                    "logits": logits, "score_grads": score_grads_1,
+                    **gathered(top, accumulated), **gradients(top, accumulated)}
             # The backward walks the blocks last to first, freeing each one's activations. A
             # checkpointed block is rebuilt beside the full blocks before it and the gradients of
             # the blocks after it: the last such block has the most activations beside it, the
@@ -837,15 +1114,31 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                            for k, v in per_mb.items() if k not in CHECKPOINTED}
                 current["act_checkpointed"] = hidden_1 * (ckpt * (flight - 1) + inputs_before)
                 current["act_selective"] = sel_1 * (ckpt * (flight - 1) + inputs_before)
+                if recopies:
+                    current["compute_copies"] = current.get("compute_copies", 0.0) + recopies
                 # the stage holds a micro-batch's output (the logits) until its backward is done
                 events[name + suffix] = {**cache, **current, "logits": logits, "recompute": recompute,
                                          "backward_temp": temp_1, **gathered(position, accumulated),
                                          **gradients(position, accumulated)}
+            # the first stage's backward ends in its embedding's, which makes a dense gradient of the
+            # whole table (a tied one sums it with the head's, held since the head's backward: three
+            # at once), beside every other gradient made
+            emb_1 = embedding * Pb * (3 if layout.tied_head and last else 1) if first else 0.0
+            if not sharded and first:
+                if accumulated:
+                    waiting = (per_stage * layout.block_sharded / tp + (head_matrix if last else 0.0)) * copy_bytes
+                    ended = {"gradients": grads, "grads_unsharded": waiting, "grads_transient": emb_1}
+                else:
+                    ended = {**_fresh_gradients(m, False, params * G), "grads_transient": emb_1 - embedding * Pb}
+                events["backward_end" + suffix] = {
+                    **cache, **{k: v * (flight - 1) for k, v in per_mb.items()},
+                    "logits": logits_1 * (logits_flight - 1), **ended}
             if level == 1 or deferred:
                 # the backward ends with every gradient of the stage made, the stage gathered, the
                 # other micro-batches in flight (FSDP then upcasts bf16 gradients, or reduces)
-                made = {"gradients": grads, "grads_unsharded": params * Pb if Pb != G else 0.0} if accumulated \
-                    else _fresh_gradients(m, False, params * Pb)
+                made = {"gradients": grads, "grads_unsharded": params * Pb if Pb != G else 0.0} \
+                    if accumulated else _fresh_gradients(m, False, params * Pb)
+                made["grads_transient"] = emb_1 if accumulated else emb_1 - embedding * Pb
                 events["backward_end" + suffix] = {
                     **cache, **{k: v * (flight - 1) for k, v in per_mb.items()},
                     "logits": logits_1 * (logits_flight - 1), "gathered": whole, **made}
@@ -860,9 +1153,13 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                     **after, **reduced, **(gradients(per_stage, True) if accumulated else {}),
                     **reduce_scatter(block, block * Pb), "grads_unsharded": head * Pb + (0.0 if gloo else block * Pb)}
                 if top:
+                    rebuilt = top - 1 in positions
                     events["backward_block" + suffix] = {
-                        **after, "backward_temp": temp_1, "recompute": recompute if top - 1 in positions else 0.0,
+                        **after, "backward_temp": temp_1, "recompute": recompute if rebuilt else 0.0,
                         **gathered(top - 1, accumulated), **gradients(top - 1, accumulated)}
+                    if rebuilt and recopies:
+                        copies = events["backward_block" + suffix].get("compute_copies", 0.0)
+                        events["backward_block" + suffix]["compute_copies"] = copies + recopies
         if not sharded:
             # replicated data parallelism averages the fp32 gradients through flat buckets (a bucket
             # holds 32 MiB of gradients, or one larger gradient)
@@ -933,6 +1230,77 @@ def vector_peak(st: StageTerms, weights: Mapping[str, float], n: int) -> np.ndar
             value = value + (v if w == 1.0 else w * v)  # 1.0 * v is v, bit for bit
         best = np.maximum(best, value)
     return best + sum(weights[k] * v for k, v in st.base.items())
+
+
+class LinearFeatures(NamedTuple):
+    """What the terms of a ``linear`` :func:`stage_builder` are multiples of, for one point: a
+    constant, the fields of :class:`BlockActivations` the terms read and the activations a
+    checkpointed block's backward rebuilds."""
+
+    constant: float
+    replicated: float
+    parallel: float
+    scores: float
+    fused: float
+    input: float
+    selective: float
+    recompute: float
+    score_grads: float
+
+    @classmethod
+    def of(cls, acts: BlockActivations) -> LinearFeatures:
+        rebuilt = _at_least_zero(acts.replicated + acts.parallel + acts.scores + acts.fused - acts.selective_parallel)
+        return cls(1.0, acts.replicated, acts.parallel, acts.scores, acts.fused, acts.input, acts.selective, rebuilt,
+                   acts.score_grads)
+
+
+UNIT_ACTIVATIONS = BlockActivations(*[1.0] * len(BlockActivations._fields))
+# the feature (index in LinearFeatures) each term is a multiple of; every other term is a constant
+LINEAR_FIELD = MappingProxyType({"act_replicated": 1, "act_parallel": 2, "act_scores": 3, "act_fused": 4,
+                                 "act_checkpointed": 5, "pp_recv": 5, "act_selective": 6, "recompute": 7,
+                                 "score_grads": 8})
+_TERM_FIELD = MappingProxyType({k: LINEAR_FIELD.get(k, 0) for k in MEMORY_TERMS})
+
+
+def linear_terms(st: StageTerms, weights: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The events of a ``linear`` stage (:func:`stage_builder`) as an (events, features) matrix:
+    an event's weighted multiples of :class:`LinearFeatures`, the base's included, whose product
+    with a point's features is :meth:`StageTerms.peak`'s sum for that event, the same products
+    added in another order; and where a weighted term is negative, the matrix of their
+    magnitudes (the rounding of either sum is bounded by its product, no more by the total's).
+    None where a term is unknown."""
+    field = _TERM_FIELD
+    base = [0.0] * len(LinearFeatures._fields)
+    negative = False
+    try:
+        for k, v in st.base.items():
+            t = weights[k] * v
+            if t < 0:
+                negative = True
+            base[field[k]] += t
+        rows = []
+        for terms in st.moments.values():
+            row = base.copy()
+            for k, v in terms.items():
+                t = weights[k] * v
+                if t < 0:
+                    negative = True
+                row[field[k]] += t
+            rows.append(row)
+    except KeyError:  # a term without a field
+        return None
+    if not negative:
+        return np.array(rows), None
+    base = [0.0] * len(base)
+    for k, v in st.base.items():
+        base[field[k]] += abs(weights[k] * v)
+    sizes = []
+    for terms in st.moments.values():
+        row = base.copy()
+        for k, v in terms.items():
+            row[field[k]] += abs(weights[k] * v)
+        sizes.append(row)
+    return np.array(rows), np.array(sizes)
 
 
 def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> dict[str, float]:
@@ -1019,7 +1387,7 @@ def predict_memory(layout: ModelLayout, point: Mapping[str, Any], workload: Work
 
 
 # ---------------------------------------------------------------- time
-TIME_TERMS = ("compute", "overhead", "grad_accumulation", "tp_comm", "dp_comm", "pp_comm")
+TIME_TERMS = ("compute", "attention", "elementwise", "overhead", "grad_accumulation", "tp_comm", "dp_comm", "pp_comm")
 DEFAULT_TIME_WEIGHTS = {k: 1.0 for k in TIME_TERMS}
 
 
@@ -1033,10 +1401,12 @@ class TimePrediction:
         return workload.global_batch / self.step if self.step > 0 else 0.0
 
 
-def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce") -> float:
+def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce", stride: int = 1) -> float:
+    """A ring collective over ``n`` ranks ``stride`` apart (alpha-beta): across nodes once the
+    ring spans more devices than a node holds."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
-    spans = n > hw.devices_per_node
+    spans = n * stride > hw.devices_per_node
     factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     return steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans)
@@ -1061,8 +1431,85 @@ def fsdp_collectives(level: int, micro_batches: int, pp: int, schedule: str) -> 
     return (m + 1 if schedule == "gpipe" else 2 * m), 1
 
 
+# Elements a block's non-matmul kernels read and write per token in forward, in Hugging Face's eager
+# code (each op a pass: it reads its inputs and writes its output), counted from the modules:
+# LayerNorm is one kernel (read, write: 2 h); Llama's RMSNorm six ops in fp32 (to, pow, mean, rsqrt,
+# mul, weight mul: ~12 h); two residual additions (read 2, write 1: 6 h); rotary embeddings on q and
+# k (rotate_half's slices and cat, two products, a sum: ~8 per element); GPT-2's tanh GELU eight ops
+# over the MLP width (~17 per element), SiLU and the gate's product (5); fused (bias + activation in
+# one compiled kernel): one read and one write (2, gated 3). Eager attention adds its score passes
+# per score element (scale, mask, softmax, dropout, cast: ~8); fused SDPA keeps the scores on chip.
+# Backward makes about 1.5 times the forward's traffic: an op's gradient reads its saved input and
+# the incoming gradient and writes one (3 passes where forward makes 2).
+NORM_PASSES = {"layer": 2, "rms": 12}
+RESIDUAL_PASSES = 6
+ROTARY_PASSES = 8
+ACTIVATION_PASSES = {(False, "off"): 17, (False, "on"): 2, (True, "off"): 5, (True, "on"): 3}
+SCORE_PASSES = 8
+BACKWARD_TRAFFIC = 1.5
+# A GPU's fused attention (SDPA: FlashAttention-2 / memory-efficient kernels) runs its FLOPs at
+# about 0.75 of a large GEMM's rate (FlashAttention-2, Dao 2023: 50-73 % of A100 peak forward and
+# backward, against ~80 % for cuBLAS GEMMs)
+FLASH_EFFICIENCY = 0.75
+
+
+def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, gpu: bool = False) -> float:
+    """Elements one block's memory-bound kernels read and write in forward, per token (see
+    :data:`NORM_PASSES`); tensor parallelism divides what is inside its regions. On a GPU, SDPA is
+    a fused kernel (no score passes)."""
+    tp = point["tp"]
+    gated = layout.gated_mlp
+    q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
+    outside = (2 * NORM_PASSES["rms" if gated else "layer"] + RESIDUAL_PASSES) * layout.hidden
+    inside = ACTIVATION_PASSES[(gated, point["fuse"])] * layout.intermediate
+    if gated:
+        inside += ROTARY_PASSES * (q + kv)
+    if point["attn"] == "eager" or (not gpu and scores_materialised(layout, point["attn"])):
+        inside += SCORE_PASSES * layout.heads * seq_len
+    # sequence parallelism runs what is outside the regions on a sequence shard
+    sp = tp > 1 and knob_value(point, "sp") == "on"
+    return outside / (tp if sp else 1) + inside / tp
+
+
+def scores_materialised(layout: ModelLayout, attn: str) -> bool:
+    """Does the attention kernel write the score matrix? Eager does; SDPA does where the activation
+    probe found it keeping scores (torch's math fallback: attention dropout on CPU)."""
+    return attn == "eager" or _score_bytes(layout, attn) > 0
+
+
+def _score_bytes(layout: ModelLayout, attn: str) -> float:
+    counts = layout.score_bytes
+    if counts and isinstance(next(iter(counts.values())), Mapping):  # per precision: any says it
+        return max(c.get(attn, 0.0) for c in counts.values())
+    return counts.get(attn, 8.0 if attn == "eager" else 0.0)
+
+
+def gemm_seconds(hw: Hardware, m: float, k: float, n: float, dtype_bytes: int, threads: int = 1) -> float:
+    """One ``m x k @ k x n`` product: a GPU's roofline (FLOPs at its large-GEMM rate, or its
+    operands' bytes at memory bandwidth, whichever is longer); a CPU's measured rate by the
+    product's rows (:meth:`Hardware.gemm_rate`)."""
+    flops = 2 * m * k * n
+    if hw.cores:
+        return flops / hw.gemm_rate(m, threads)
+    traffic = dtype_bytes * (m * k + k * n + m * n)
+    return max(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
+
+
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
-    """Seconds per step of each time term (before weights)."""
+    """Seconds per step of each time term (before weights).
+
+    The slowest stage's ``m + (pp - 1) / vpp`` slots (its micro-batches and the bubble) of:
+    ``compute``, its blocks' and head's matrix products (by each product's shape: a GPU's
+    roofline, a CPU's measured rate by rows), forward, backward (twice the forward) and the
+    recomputation of checkpointed blocks; ``attention``, the attention core (eager: batched
+    products at the GEMM rate; SDPA on a GPU: a fused kernel at :data:`FLASH_EFFICIENCY`);
+    ``elementwise``, the memory-bound kernels' traffic (:func:`block_traffic`) at memory bandwidth;
+    ``overhead``, a fixed cost per block and micro-batch and per collective call. Then
+    ``grad_accumulation`` (a pass over the stage's gradients per micro-batch) and communication:
+    ``tp_comm`` (not overlapped), ``pp_comm`` and ``dp_comm`` (on a GPU, what the runtime overlaps
+    with compute is left out: a pipeline's steady-state sends, FSDP's prefetched gathers and
+    reductions after the first and before the last).
+    """
     from ..precision import precision
 
     mode = precision(workload.precision)
@@ -1072,27 +1519,39 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     sp = tp > 1 and knob_value(point, "sp") == "on"
     selective = knob_value(point, "ckpt_policy") == "selective"
     vpp = knob_value(point, "vpp") if pp > 1 else 1
+    gpu = not hw.cores
     per_stage = layout.layers // pp
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s
-    block_params = layout.block_sharded / tp + layout.block_replicated
-    attn_flops = 4 * b * s * s * layout.heads * layout.head_dim / tp  # QK^T and AV, forward
-    block_fwd = 2 * tokens * block_params + attn_flops
-    stage_fwd = per_stage * block_fwd
-    head_fwd = 2 * tokens * (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
-    # forward + backward, and recomputation: a fully checkpointed block runs its forward again, a
-    # selectively checkpointed one all but its linear layers' matmuls (of the FLOPs: the attention core)
-    flops_mb = 3 * (stage_fwd + head_fwd) + ckpt * (attn_flops if selective else block_fwd)
     world = tp * pp * dp
     # CPU: ranks share the cores (threads each); more ranks than cores time-slice
     sliced = max(1.0, world / hw.cores) if hw.cores else 1.0
-    rate = hw.gemm_rate(tokens, max(1, hw.cores // world)) / sliced
+    threads = max(1, hw.cores // world) if hw.cores else 1
     bandwidth = hw.memory_bandwidth / sliced
+    q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
+    width = layout.intermediate * (2 if layout.gated_mlp else 1)
+    gemm = functools.partial(gemm_seconds, hw, dtype_bytes=B, threads=threads)
+    block_gemms = (gemm(tokens, layout.hidden, (q + 2 * kv) / tp) + gemm(tokens, q / tp, layout.hidden)
+                   + gemm(tokens, layout.hidden, width / tp) + gemm(tokens, layout.intermediate / tp, layout.hidden))
+    head_gemm = gemm(tokens, layout.hidden, (layout.pre_sharded if layout.tied_head else layout.post_sharded)
+                     / tp / layout.hidden)
+    heads = layout.heads / tp
+    if point["attn"] == "sdpa" and gpu:  # a fused kernel: FlashAttention-2 keeps scores on chip, dropout too
+        attn_fwd = 4 * b * heads * s * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY)
+    else:  # QK^T and AV: per head, an s x d @ d x s and an s x s @ s x d product
+        attn_fwd = b * heads * (gemm(s, layout.head_dim, s) + gemm(s, s, layout.head_dim))
+    traffic_fwd = tokens * block_traffic(layout, point, s, gpu) * B / bandwidth if bandwidth else 0.0
+    # forward and backward (twice the forward), and recomputation: a fully checkpointed block runs
+    # its forward again, a selectively checkpointed one all but its matrix products
+    passes = 1 + BACKWARD_TRAFFIC
+    compute_mb = 3 * (per_stage * block_gemms * sliced + head_gemm * sliced) + (0 if selective else ckpt * block_gemms * sliced)
+    attention_mb = 3 * per_stage * attn_fwd * sliced + ckpt * attn_fwd * sliced
+    elementwise_mb = passes * per_stage * traffic_fwd + ckpt * traffic_fwd
     # the slowest stage's time slots: its m micro-batches and the pipeline's fill and drain, pp - 1
     # slots of a stage's work, each 1 / vpp as long when a rank's blocks are cut into vpp chunks
     # (the bubble (pp - 1) / m, interleaved (pp - 1) / (vpp m): Narayanan et al. 2021)
     slots = m + (pp - 1) / vpp
-    compute = slots * flops_mb / rate
+    compute, attention, elementwise = slots * compute_mb, slots * attention_mb, slots * elementwise_mb
     # a fixed cost per block and micro-batch, and per two collective calls: tensor parallelism's
     # four all-reduces per block (forward and backward), sequence parallelism's ten (below)
     calls = (5 if sp else 2) if tp > 1 else 0
@@ -1100,6 +1559,7 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
     # repeat more often
+    block_params = layout.block_sharded / tp + layout.block_replicated
     edges = [layout.pre_sharded / tp + layout.pre_replicated, layout.post_sharded / tp + layout.post_replicated]
     stage_params = per_stage * block_params + (sum(edges) if pp == 1 else max(edges))
     grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if bandwidth else 0.0
@@ -1109,7 +1569,8 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     # the backend reduce-scatters on a ring (NCCL); gloo's (CPU ranks) costs what an all-reduce does
     # (measured, 4 MB over 2 ranks: 8.4 ms, all-reduce 9.5, all-gather 7.6). Sequence parallelism
     # also keeps a region's input as a shard and gathers it again in backward (at least once per
-    # region: separate Q, K and V projections gather it each)
+    # region: separate Q, K and V projections gather it each). Tensor-parallel ranks are adjacent
+    # (the mesh is (pp, dp, tp)): inside a node unless tp is larger
     if sp:
         scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
         gather = _ring(act_bytes, tp, hw, "all_gather")
@@ -1117,21 +1578,34 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     else:
         tp_comm = slots * per_stage * 4 * _ring(act_bytes, tp, hw)
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
-    # boundary; interleaved, each micro-batch crosses vpp times as many
+    # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks
+    # apart: across nodes once that fills one. On a GPU the steady state's sends run beside compute;
+    # the fill and drain's do not
     pp_bytes = act_bytes / tp if sp else act_bytes
-    pp_comm = 2 * (vpp * m + pp - 1) * (hw.latency + pp_bytes / hw.intra_bandwidth) if pp > 1 else 0.0
-    # data parallelism: level 0 all-reduces the fp32 gradients once per step; FSDP all-gathers the
-    # parameters in the compute dtype and reduce-scatters fp32 gradients, as often as its level
-    # reshards (see memory_terms)
+    pp_link = hw.inter_bandwidth if gpu and tp * dp >= hw.devices_per_node else hw.intra_bandwidth
+    transfers = 2 * (pp - 1) if gpu else 2 * (vpp * m + pp - 1)
+    pp_comm = transfers * (hw.latency + pp_bytes / pp_link) if pp > 1 else 0.0
+    # data parallelism: level 0 all-reduces the fp32 gradients once per step, after the backward;
+    # FSDP all-gathers the parameters in the compute dtype and reduce-scatters fp32 gradients, as
+    # often as its level reshards (see memory_terms); a data-parallel group's ranks are tp apart
     level = point["zero"] if dp > 1 else 0
+    dp_stride = tp
     if level == 0:
-        dp_comm = _ring(stage_params * GRAD_BYTES, dp, hw)
+        dp_comm = _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride)
     else:
         gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
-        dp_comm = (gathers * _ring(stage_params * mode.param_bytes, dp, hw, "all_gather")
-                   + reduces * _ring(stage_params * GRAD_BYTES, dp, hw, "reduce_scatter"))
-    return {"compute": compute, "overhead": overhead, "grad_accumulation": grad_accumulation, "tp_comm": tp_comm,
-            "dp_comm": dp_comm, "pp_comm": pp_comm}
+        gather_s = _ring(stage_params * mode.param_bytes, dp, hw, "all_gather", stride=dp_stride)
+        reduce_s = _ring(stage_params * GRAD_BYTES, dp, hw, "reduce_scatter", stride=dp_stride)
+        dp_comm = gathers * gather_s + reduces * reduce_s
+        if gpu and level >= 2:
+            # FSDP prefetches the next block's gathers and reduces the previous block's gradients on
+            # their own streams: all but one block's first gather and last reduction hide behind
+            # compute, as long as there is compute to hide behind
+            units = max(1, per_stage)
+            exposed = (gather_s + reduce_s) / units
+            dp_comm = max(exposed, dp_comm - (compute + attention + elementwise))
+    return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
+            "grad_accumulation": grad_accumulation, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 
 
 def predict_time(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,

@@ -1,6 +1,6 @@
 """Hardware descriptions: memory, achievable compute rate and an alpha-beta communication model.
 
-Presets describe common GPUs (achievable rates, not datasheet peaks). ``measure_cpu`` measures
+Presets describe common GPUs (large GEMMs' achievable rate, and the datasheet peak for MFU). ``measure_cpu`` measures
 this machine: a GEMM rate per thread and, with ``measure_collectives``, gloo all-reduce latency
 and bandwidth between local processes. Measurements are cached per machine.
 """
@@ -42,6 +42,7 @@ class Hardware:
     # On a CPU this is the figure for all its cores on one GEMM; one thread has no such loss
     gemm_half_tokens: float = 0.0
     memory_bandwidth: float = 0.0  # bytes/s per device for streaming kernels (0: not modelled)
+    peak_flops: float = 0.0  # the datasheet's dense peak for the training dtype (MFU's denominator; 0: flops)
 
     def gemm_rate(self, tokens: float, threads: int = 1) -> float:
         """Achievable FLOP/s of the GEMMs of a micro-batch of ``tokens`` tokens (on ``threads``
@@ -62,13 +63,21 @@ class Hardware:
 
 
 PRESETS: dict[str, Hardware] = {
-    # achievable bf16 rates ~50% of peak for transformer training; NVLink / InfiniBand per GPU;
-    # HBM bandwidth from the datasheets
-    "a100-80gb": Hardware("a100-80gb", 80 * GiB, 156e12, 250e9, 25e9, 8e-6, memory_bandwidth=2.0e12),
-    "a100-40gb": Hardware("a100-40gb", 40 * GiB, 156e12, 250e9, 25e9, 8e-6, memory_bandwidth=1.55e12),
-    "h100-80gb": Hardware("h100-80gb", 80 * GiB, 450e12, 400e9, 50e9, 6e-6, memory_bandwidth=3.35e12),
-    "h200": Hardware("h200", 141 * GiB, 450e12, 400e9, 50e9, 6e-6, memory_bandwidth=4.8e12),
-    "v100-32gb": Hardware("v100-32gb", 32 * GiB, 60e12, 130e9, 12e9, 10e-6, memory_bandwidth=0.9e12),
+    # flops: what large bf16 GEMMs achieve (cuBLAS, about 80 % of the dense peak on A100 and V100, 70 %
+    # on H100/H200: NVIDIA's "Matrix Multiplication Background" performance guide and published
+    # cuBLAS benchmarks); the time model's roofline caps each product's rate by it (see
+    # analytic.gemm_seconds). peak_flops: the datasheet's dense bf16 (V100: fp16) tensor-core peak.
+    # NVLink per GPU per direction inside a node, InfiniBand per GPU across nodes (one 200 Gb/s HDR
+    # or 400 Gb/s NDR adapter per GPU); HBM bandwidth from the datasheets
+    "a100-80gb": Hardware("a100-80gb", 80 * GiB, 250e12, 250e9, 25e9, 8e-6, memory_bandwidth=2.0e12,
+                          peak_flops=312e12),
+    "a100-40gb": Hardware("a100-40gb", 40 * GiB, 250e12, 250e9, 25e9, 8e-6, memory_bandwidth=1.55e12,
+                          peak_flops=312e12),
+    "h100-80gb": Hardware("h100-80gb", 80 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=3.35e12,
+                          peak_flops=989e12),
+    "h200": Hardware("h200", 141 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=4.8e12, peak_flops=989e12),
+    "v100-32gb": Hardware("v100-32gb", 32 * GiB, 100e12, 150e9, 12e9, 10e-6, memory_bandwidth=0.9e12,
+                          peak_flops=125e12),
 }
 # the GPU model each preset describes, as it appears in torch.cuda.get_device_properties(i).name
 # ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200", "Tesla V100-SXM2-32GB")
