@@ -269,7 +269,8 @@ def test_data_parallel_communication_follows_the_zero_level(precision):
     defers reduction and resharding after backward to the step's last backward: levels 1 and 2
     gather once; level 3 gathers in every forward, and again in every 1F1B backward (GPipe's
     backwards all follow the last forward: once)."""
-    hw = Hardware("link", 80 * 2**30, 1e15, 1e9, 1e9, 0.0, 8)
+    # infinitely fast compute: nothing for FSDP's prefetch to hide the collectives behind
+    hw = Hardware("link", 80 * 2**30, float("inf"), 1e9, 1e9, 0.0, 8)
     workload = Workload(8, 64, 128, precision)
     problem = _problem("llama-7b", workload).resolve()
     config = problem.config
