@@ -41,6 +41,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
             ("runner overhead", "runner_overhead", ["--repeats", "1", "--worlds", "2"]),
             ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
             ("techniques side by side", "techniques", ["--quick"]),
+            ("published tables", "paper_tables", ["--quick"]),
         ]
     accuracy = [] if full_accuracy else ["--points-per-world", "2", "--calibration-per-world", "1"]
     return [
@@ -52,6 +53,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
         ("runner overhead", "runner_overhead", ["--repeats", "2"]),
         ("driver overhead", "driver_overhead", []),
         ("techniques side by side", "techniques", []),
+        ("published tables", "paper_tables", []),
     ]
 
 
@@ -206,6 +208,11 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
         from benchmarks.techniques import report_section
 
         lines += report_section(tech)
+    papers = _load("paper_tables")
+    if papers:
+        from benchmarks.paper_tables import report_section as paper_section
+
+        lines += paper_section(papers)
     lines += ["## Overheads", ""]
     sched = _load("schedule_overhead")
     if sched:
