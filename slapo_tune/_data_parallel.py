@@ -63,6 +63,8 @@ def average_gradients(params: Iterable[torch.Tensor], group: ProcessGroup | None
             for b in bucket:
                 b.copy_(flat[offset: offset + b.numel()].view_as(b))
                 offset += b.numel()
+            # freed before the next bucket is concatenated: one bucket at a time, not two
+            del flat
             bucket, nbytes = [], 0
 
 

@@ -146,18 +146,30 @@ def test_the_block_list_is_the_module_list_holding_the_most_parameters():
 def test_data_parallel_all_reduces_gradients_in_buckets_of_32_mib(fake_group, monkeypatch):
     """Replicated data parallelism all-reduces gradients in flat buckets that close once they reach
     32 MiB (DDP's default is 25): few collectives, and at most one bucket's copy held at a time."""
+    import weakref
+
     import torch.distributed as dist
 
     from slapo_tune import _data_parallel
 
-    sizes = []
+    sizes, made, alive_at_cat = [], [], []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: sizes.append(t.numel() * t.element_size()))
+    concatenate = torch.cat
+
+    def cat(tensors):  # how many earlier buckets are still alive while the next is made
+        alive_at_cat.append(sum(ref() is not None for ref in made))
+        flat = concatenate(tensors)
+        made.append(weakref.ref(flat))
+        return flat
+
+    monkeypatch.setattr(torch, "cat", cat)
     quarter = 4 * 2**20  # 16 MiB of fp32
     params = [nn.Parameter(torch.empty(quarter)) for _ in range(5)]
     for i, p in enumerate(params):
         p.grad = torch.full((quarter,), float(i + 1))
     _data_parallel.average_gradients(params, None)  # the fake group has 2 ranks
     assert sizes == [32 * 2**20, 32 * 2**20, 16 * 2**20]
+    assert alive_at_cat == [0, 0, 0]  # (two buckets at once measured 56.7 MB over the model's one)
     assert [p.grad[0].item() for p in params] == [0.5, 1.0, 1.5, 2.0, 2.5]  # (the fake sum is the rank's own)
 
 
