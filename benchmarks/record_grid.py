@@ -50,7 +50,9 @@ def grid_points(problem: Problem | None = None) -> list[dict]:
 
 
 def _key(point: dict) -> tuple:
-    return tuple(sorted((k, str(v)) for k, v in point.items()))
+    """A point's identity, a recorded row's too (a row from before a fixed knob existed holds its value)."""
+    return tuple(sorted({**{k: str(v) for k, v in GRID["fixed"].items()},
+                         **{k: str(v) for k, v in point.items()}}.items()))
 
 
 def _write(rows: list[dict], out: Path) -> None:
