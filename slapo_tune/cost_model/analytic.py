@@ -1453,10 +1453,12 @@ BACKWARD_TRAFFIC = 1.5
 FLASH_EFFICIENCY = 0.75
 
 
-def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, gpu: bool = False) -> float:
+def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, precision: str,
+                  gpu: bool = False) -> float:
     """Elements one block's memory-bound kernels read and write in forward, per token (see
     :data:`NORM_PASSES`); tensor parallelism divides what is inside its regions. On a GPU, SDPA is
-    a fused kernel (no score passes)."""
+    a fused kernel (no score passes); on a CPU it writes scores where the probe found them kept
+    in ``precision``."""
     tp = point["tp"]
     gated = layout.gated_mlp
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
@@ -1464,33 +1466,27 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, g
     inside = ACTIVATION_PASSES[(gated, point["fuse"])] * layout.intermediate
     if gated:
         inside += ROTARY_PASSES * (q + kv)
-    if point["attn"] == "eager" or (not gpu and scores_materialised(layout, point["attn"])):
+    if point["attn"] == "eager" or (not gpu and scores_materialised(layout, point["attn"], precision)):
         inside += SCORE_PASSES * layout.heads * seq_len
     # sequence parallelism runs what is outside the regions on a sequence shard
     sp = tp > 1 and knob_value(point, "sp") == "on"
     return outside / (tp if sp else 1) + inside / tp
 
 
-def scores_materialised(layout: ModelLayout, attn: str) -> bool:
+def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
     """Does the attention kernel write the score matrix? Eager does; SDPA does where the activation
-    probe found it keeping scores (torch's math fallback: attention dropout on CPU)."""
-    return attn == "eager" or _score_bytes(layout, attn) > 0
+    probe found it keeping scores in ``precision`` (torch's math fallback: attention dropout on CPU)."""
+    return attn == "eager" or layout.score_bytes.get(precision, {}).get(attn, 0.0) > 0
 
 
-def _score_bytes(layout: ModelLayout, attn: str) -> float:
-    counts = layout.score_bytes
-    if counts and isinstance(next(iter(counts.values())), Mapping):  # per precision: any says it
-        return max(c.get(attn, 0.0) for c in counts.values())
-    return counts.get(attn, 8.0 if attn == "eager" else 0.0)
-
-
-def gemm_seconds(hw: Hardware, m: float, k: float, n: float, dtype_bytes: int, threads: int = 1) -> float:
+def gemm_seconds(hw: Hardware, m: float, k: float, n: float, dtype_bytes: int, ranks: int = 1) -> float:
     """One ``m x k @ k x n`` product: a GPU's roofline (FLOPs at its large-GEMM rate, or its
     operands' bytes at memory bandwidth, whichever is longer); a CPU's measured rate by the
-    product's rows (:meth:`Hardware.gemm_rate`)."""
+    product's rows (:meth:`Hardware.gemm_rate`) on a rank's share of the cores when ``ranks`` run
+    on it at once: ``cores // ranks`` threads each, time-sliced when there are more ranks than cores."""
     flops = 2 * m * k * n
     if hw.cores:
-        return flops / hw.gemm_rate(m, threads)
+        return flops / hw.gemm_rate(m, max(1, hw.cores // ranks)) * max(1.0, ranks / hw.cores)
     traffic = dtype_bytes * (m * k + k * n + m * n)
     return max(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
 
@@ -1524,13 +1520,13 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s
     world = tp * pp * dp
-    # CPU: ranks share the cores (threads each); more ranks than cores time-slice
+    # CPU: ranks share the cores (threads each, see gemm_seconds) and the memory bandwidth; more
+    # ranks than cores time-slice
     sliced = max(1.0, world / hw.cores) if hw.cores else 1.0
-    threads = max(1, hw.cores // world) if hw.cores else 1
     bandwidth = hw.memory_bandwidth / sliced
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     width = layout.intermediate * (2 if layout.gated_mlp else 1)
-    gemm = functools.partial(gemm_seconds, hw, dtype_bytes=B, threads=threads)
+    gemm = functools.partial(gemm_seconds, hw, dtype_bytes=B, ranks=world)
     block_gemms = (gemm(tokens, layout.hidden, (q + 2 * kv) / tp) + gemm(tokens, q / tp, layout.hidden)
                    + gemm(tokens, layout.hidden, width / tp) + gemm(tokens, layout.intermediate / tp, layout.hidden))
     head_gemm = gemm(tokens, layout.hidden, (layout.pre_sharded if layout.tied_head else layout.post_sharded)
@@ -1540,12 +1536,12 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
         attn_fwd = 4 * b * heads * s * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY)
     else:  # QK^T and AV: per head, an s x d @ d x s and an s x s @ s x d product
         attn_fwd = b * heads * (gemm(s, layout.head_dim, s) + gemm(s, s, layout.head_dim))
-    traffic_fwd = tokens * block_traffic(layout, point, s, gpu) * B / bandwidth if bandwidth else 0.0
+    traffic_fwd = tokens * block_traffic(layout, point, s, workload.precision, gpu) * B / bandwidth if bandwidth else 0.0
     # forward and backward (twice the forward), and recomputation: a fully checkpointed block runs
     # its forward again, a selectively checkpointed one all but its matrix products
     passes = 1 + BACKWARD_TRAFFIC
-    compute_mb = 3 * (per_stage * block_gemms * sliced + head_gemm * sliced) + (0 if selective else ckpt * block_gemms * sliced)
-    attention_mb = 3 * per_stage * attn_fwd * sliced + ckpt * attn_fwd * sliced
+    compute_mb = 3 * (per_stage * block_gemms + head_gemm) + (0 if selective else ckpt * block_gemms)
+    attention_mb = 3 * per_stage * attn_fwd + ckpt * attn_fwd
     elementwise_mb = passes * per_stage * traffic_fwd + ckpt * traffic_fwd
     # the slowest stage's time slots: its m micro-batches and the pipeline's fill and drain, pp - 1
     # slots of a stage's work, each 1 / vpp as long when a rank's blocks are cut into vpp chunks
