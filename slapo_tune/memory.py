@@ -28,6 +28,9 @@ class MemoryBreakdown:
     optimizer: int = 0
     activations: int = 0
     reserved: int = 0  # CUDA: the caching allocator's peak reserved bytes (0 on CPU: no allocator cache)
+    # the most activation bytes alive at any moment of the step, wherever the peak is: what a
+    # forward keeps for backward (tensor-level trackers only)
+    most_activations: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

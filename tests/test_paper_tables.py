@@ -1,11 +1,12 @@
 """The cost model against the ZeRO paper's model-state figures (Rajbhandari et al. 2020, §5):
-a 7.5B-parameter model on 64 data-parallel ranks, 120 / 31.4 / 16.6 / 1.9 GB at stages 0-3."""
+a 7.5B-parameter model on 64 data-parallel ranks, 120 / 31.4 / 16.6 / 1.9 GB at stages 0-3; and
+Korthikanti et al. 2022's activations per layer of GPT-3 175B under full recomputation."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.paper_tables import ZERO_PUBLISHED_GB, zero_table
+from benchmarks.paper_tables import GB, ZERO_PUBLISHED_GB, activation_table, zero_table
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +32,13 @@ def test_zero_stages_shrink_model_states_as_the_paper_orders_them(zero_rows):
     """Each stage holds less than the one before, in the paper's layout: 120 > 31 > 17 > 2."""
     held = [zero_rows[("bf16", level)]["ours_gb"] for level in range(4)]
     assert held == sorted(held, reverse=True) and held[3] < held[0] / 50, held
+
+
+def test_full_recomputation_keeps_one_layer_input_per_layer_as_korthikanti_counts():
+    """With every block recomputed, a layer keeps only its input for backward: 2*s*b*h bytes in
+    16 bits, a tp-th of it on a sequence shard (Korthikanti et al. 2022, Table 2's last row). Exact
+    mode's fake step of GPT-3 175B's width (s 2048, h 12288, b 1, tp 8 with sp), cut to 4 and 8
+    layers, keeps that much more at 8 layers than at 4, per layer, to the byte."""
+    (row,) = activation_table(cases=("tp + sp + full recompute",))["rows"]
+    assert row["exact_gb"] * GB == 2 * 2048 * 1 * 12288 / 8, row
+    assert row["analytic_gb"] == row["exact_gb"], row

@@ -65,6 +65,7 @@ class PeakTracker:
         self.total = 0
         self.peak = 0
         self.at_peak = dict(self.current)
+        self.most = dict(self.current)  # each category's largest total over the step
         self._live: dict[int, tuple[object, int, str]] = {}
         # a collective's buffer can die in the backend's thread (gloo lets go of it when its work
         # completes): its weak-reference callback runs there, so the running totals are updated
@@ -109,6 +110,8 @@ class PeakTracker:
             if self.total > self.peak:
                 self.peak = self.total
                 self.at_peak = dict(self.current)
+            if self.current[category] > self.most[category]:
+                self.most[category] = self.current[category]
 
     def _resized(self, storage, new_nbytes: int) -> None:
         """FSDP frees and refills unsharded parameters by resizing their storage in place."""
@@ -182,4 +185,5 @@ class PeakTracker:
     def breakdown(self) -> MemoryBreakdown:
         at = self.at_peak
         return MemoryBreakdown(total=self.peak, parameters=at["parameters"], optimizer=at["optimizer"],
-                               activations=at["activations"], gradients=at["backward"])
+                               activations=at["activations"], gradients=at["backward"],
+                               most_activations=self.most["activations"])
