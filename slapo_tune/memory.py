@@ -8,12 +8,12 @@ exact mode runs on fake tensors) cannot hide in its tests: on CUDA the caching a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 
 @dataclass
@@ -62,14 +62,29 @@ class _NoModuleHooks:
         pass
 
 
-class StepMemTracker(MemTracker):
-    """``MemTracker``'s accounting (every live storage of a device counted once, freed when its
-    last reference goes, storage resizes followed, optimizer state by the optimizer's hooks)
-    without its module hooks."""
+@functools.cache
+def _step_mem_tracker() -> type:
+    """:class:`StepMemTracker`, defined on first use: importing ``MemTracker`` loads torch's
+    distributed tools, inductor and dynamo (seconds), which ``plan`` and every other command that
+    measures nothing should not wait for."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = _NoModuleHooks()
+    class StepMemTracker(MemTracker):
+        """``MemTracker``'s accounting (every live storage of a device counted once, freed when its
+        last reference goes, storage resizes followed, optimizer state by the optimizer's hooks)
+        without its module hooks."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = _NoModuleHooks()
+
+    return StepMemTracker
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StepMemTracker":
+        return _step_mem_tracker()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # MemTracker's categories -> ours (parameters and buffers, optimizer state, what forward allocated,
@@ -96,7 +111,7 @@ def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer
         # of); reserved: what the device had to hold for them, fragmentation included
         return MemoryBreakdown(total=torch.cuda.max_memory_allocated(device),
                                reserved=torch.cuda.max_memory_reserved(device))
-    tracker = StepMemTracker()
+    tracker = _step_mem_tracker()()
     tracker.track_external(stage, optimizer, *extra)
     with tracker:
         run_step()

@@ -202,3 +202,26 @@ def test_plan_with_nothing_fitting_names_the_smallest_peak(capsys):
     err = capsys.readouterr().err
     assert (f"smallest predicted peak is {format_size(smallest['peak'])} at {format_point(smallest['point'])}"
             in err)
+
+
+def test_plan_does_not_load_the_measuring_stack():
+    """``plan`` measures nothing: torch's MemTracker (with the distributed tools, inductor and dynamo
+    it imports, seconds of start-up) is loaded only by what measures, and then it works."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, contextlib, io\n"
+        "from slapo_tune.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['plan', '--model', 'llama-7b', '--world-size', '8', '--memory-budget', '80GiB', '--knobs', 'tp=8'])\n"
+        "heavy = ('torch._dynamo', 'torch._inductor', 'torch.distributed._tools.mem_tracker')\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+        "import torch\n"
+        "from slapo_tune.memory import StepMemTracker\n"
+        "with StepMemTracker() as tracker:\n"
+        "    x = torch.ones(1024)\n"
+        "print(tracker.get_tracker_snapshot('peak')[torch.device('cpu')]['Total'] >= 4096)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
