@@ -16,6 +16,7 @@ from slapo_tune.cost_model.measure import measure_points_rank
 from slapo_tune.launch import launch
 from slapo_tune.plan import Workload
 from slapo_tune.problem import ProblemSpec
+from slapo_tune.space import format_point
 from slapo_tune.units import parse_size
 
 CPU = Hardware("test-cpu", 16 * 2**30, 1e10, 1e9, 1e9, 5e-5, 2, 4e-4, 2)
@@ -536,3 +537,15 @@ def test_measured_peak_on_cuda_is_the_allocators_peak_over_the_step(monkeypatch)
     peak = measured_peak(lambda: calls.append(("step", "")), stage=None, optimizer=None, device="cuda:1")
     assert peak.total == 123_456_789
     assert calls == [("sync", "cuda:1"), ("reset", "cuda:1"), ("step", ""), ("sync", "cuda:1"), ("read", "cuda:1")]
+
+
+def test_no_memory_term_is_negative_at_any_point():
+    """A term is bytes alive at a moment: a negative one would hide another from the peak (a later
+    pipeline stage's first backward under FSDP once took off an embedding gradient it never made)."""
+    problem = ProblemSpec("gpt2-tiny", 4, global_batch=16, seq_len=64).resolve()
+    model = CostModel(problem, hardware("a100-80gb"))
+    negative = [(format_point(p), st.stage, event, term)
+                for p in problem.space.enumerate()
+                for st in memory_terms(model.layout, p, problem.workload, model.backend)
+                for event, terms in st.events.items() for term, value in terms.items() if value < 0]
+    assert not negative, negative[:3]

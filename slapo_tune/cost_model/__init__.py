@@ -15,6 +15,7 @@ from typing import Any
 
 from ..plan import knob_value
 from ..problem import Problem
+from ..units import format_size
 from . import calibration as _calibration
 from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
 from .analytic import (
@@ -289,12 +290,12 @@ class CostModel:
             peaks = {s: b.total for s, b in self.exact(point).items()}
             worst = max(peaks, key=peaks.get)
             if peaks[worst] > budget:
-                return Verdict(False, peaks[worst], f"exact peak {_fmt(peaks[worst])} on stage {worst} > budget {_fmt(budget)}")
+                return Verdict(False, peaks[worst], f"exact peak {format_size(peaks[worst])} on stage {worst} > budget {format_size(budget)}")
             return Verdict(True, peaks[worst])
         pred = prediction or self.memory(point)
         if pred.lower > budget:
-            return Verdict(False, pred.peak, f"predicted peak {_fmt(pred.peak)} (at least {_fmt(pred.lower)}) "
-                                             f"on stage {pred.worst_stage} > budget {_fmt(budget)}")
+            return Verdict(False, pred.peak, f"predicted peak {format_size(pred.peak)} (at least {format_size(pred.lower)}) "
+                                             f"on stage {pred.worst_stage} > budget {format_size(budget)}")
         return Verdict(True, pred.peak)
 
     def calibrate(self, points: Iterable[Mapping[str, Any]], measured: Iterable[Mapping[int, int]] | None = None,
@@ -407,13 +408,6 @@ def _layout(problem: Problem) -> ModelLayout:
         if card is not None:
             return card[1]
     return layout_of(config, problem.template)
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 __all__ = [

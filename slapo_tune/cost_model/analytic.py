@@ -1138,7 +1138,9 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 # other micro-batches in flight (FSDP then upcasts bf16 gradients, or reduces)
                 made = {"gradients": grads, "grads_unsharded": params * Pb if Pb != G else 0.0} \
                     if accumulated else _fresh_gradients(m, False, params * Pb)
-                made["grads_transient"] = emb_1 if accumulated else emb_1 - embedding * Pb
+                # the embedding's own gradient is among those made (the first stage's only: a later
+                # stage has no transient of it)
+                made["grads_transient"] = emb_1 if accumulated else max(0.0, emb_1 - embedding * Pb)
                 events["backward_end" + suffix] = {
                     **cache, **{k: v * (flight - 1) for k, v in per_mb.items()},
                     "logits": logits_1 * (logits_flight - 1), "gathered": whole, **made}
