@@ -162,7 +162,7 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
 
     from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.cost_model import calibration as cal
-    from slapo_tune.cost_model.analytic import memory_terms
+    from slapo_tune.cost_model.analytic import DEFAULT_TIME_WEIGHTS, memory_terms
     from slapo_tune.space import format_point
 
     out = results_dir()
@@ -184,8 +184,13 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
                 fit_samples += [(st.events, peaks[st.stage])
                                 for st in memory_terms(model.layout, p, problem.workload, model.backend)]
         calibration = cal.fit(fit_samples)
-        calibration.time_weights = previous[label]["calibration"]["time_weights"]
-        calibration.time_points = previous[label]["calibration"]["time_points"]
+        # the weights that run fitted, where they are for today's time terms: weights of another
+        # set of terms (the model gained or lost one since) would mix fitted and default weights
+        fitted = previous[label]["calibration"]["time_weights"] or {}
+        kept = set(fitted) == set(DEFAULT_TIME_WEIGHTS)
+        if kept:
+            calibration.time_weights = fitted
+            calibration.time_points = previous[label]["calibration"]["time_points"]
         for world in worlds:
             model = CostModel(problems[world], device, calibration=calibration)
             default = CostModel(problems[world], device, calibration=cal.Calibration(), layout=model.layout)
@@ -210,7 +215,8 @@ def rescore(points_per_world: int, calibration_per_world: int, worlds=(1, 2, 4))
                         row[key] = float(old[key])
                     rows.append(row)
         summary[label] = {"calibration": calibration.as_dict(), "calibration_points": len(fit_samples),
-                          "calibration_seconds": time.perf_counter() - t0, "rescored": True}
+                          "calibration_seconds": time.perf_counter() - t0, "rescored": True,
+                          "time_weights_kept": kept}
     return {"rows": rows, "models": summary}
 
 
