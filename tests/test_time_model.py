@@ -117,3 +117,18 @@ def test_plan_exact_mode_rechecks_the_shown_points_with_a_fake_step(capsys):
     assert all(abs(r["exact_peak"] / r["peak"] - 1) < 0.25 for r in rows)
     assert main(argv) == 0
     assert "exact_peak" not in json.loads(capsys.readouterr().out)["top"][0]
+
+
+def test_fusion_saves_no_time_on_cpu_ranks():
+    """On a CPU the templates fuse with the eager backend: the same operators run, so the fused and
+    unfused points cost the same; on a GPU (inductor) the fused one is faster."""
+    import dataclasses
+
+    problem = _gpt(4, 1024, 16, 1, 64)
+    gpu = CostModel(problem, hardware("a100-80gb"))
+    cpu = CostModel(problem, hardware("a100-80gb"))
+    cpu.device = dataclasses.replace(cpu.device, cores=16)  # the same rates, as CPU ranks
+    base = dict(tp=1, pp=1, dp=1, zero=0, micro_batch=1, ckpt_ratio=0.0, attn="sdpa")
+    on, off = (problem.plan({**base, "fuse": fuse}) for fuse in ("on", "off"))
+    assert cpu.time(on).step == cpu.time(off).step
+    assert gpu.time(on).step < gpu.time(off).step
