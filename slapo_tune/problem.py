@@ -16,7 +16,7 @@ from typing import Any
 from .errors import UsageError
 from .models import ModelSpec
 from .plan import Plan, Workload
-from .space import Space, coerce, parse_knobs
+from .space import Space, coerce, format_point, parse_knobs
 from .template import ModelInfo, Template
 
 SAMPLES_PER_RANK = 8  # CPU's default global batch: this many samples per rank
@@ -131,6 +131,22 @@ class Problem:
         typed = coerce(self.space, {k: v for k, v in knobs.items() if isinstance(v, str)})
         given = {k: typed.get(k, v) for k, v in knobs.items()}
         return Plan.of(self.space.complete(given), self.workload)
+
+    def pinned(self, knobs: Mapping[str, Any] | str) -> Problem:
+        """This problem searching only the points with ``knobs`` (a mapping, or text such as
+        ``"tp=8,zero=3"``) held (:meth:`Space.pinned`). A value legal in no point is a
+        :class:`UsageError` naming the knob's legal values."""
+        if isinstance(knobs, str):
+            knobs = parse_knobs(knobs)
+        if not knobs:
+            return self
+        typed = coerce(self.space, {k: v for k, v in knobs.items() if isinstance(v, str)})
+        given = {k: typed.get(k, v) for k, v in knobs.items()}
+        space = self.space.pinned(given)
+        if next(space.enumerate(), None) is None:
+            self.plan(given)  # names the first illegal knob and its legal values, where one is
+            raise UsageError(f"no legal point has {format_point(given)}: pin fewer knobs")
+        return replace(self, space=space)
 
     def plans(self) -> Iterator[Plan]:
         """Every legal plan, in the space's order."""

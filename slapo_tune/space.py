@@ -13,6 +13,8 @@ choices, as Optuna requires.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -73,6 +75,20 @@ class Space:
             return self._by_name[name]
         except KeyError:
             raise UsageError(f"unknown knob '{name}' (knobs: {', '.join(self.names)})") from None
+
+    def pinned(self, values: Mapping[str, Any]) -> Space:
+        """This space with each knob of ``values`` held at its value: the points where that value
+        is not legal are left out, the other knobs are searched as before (a user who already
+        decided ``tp=8`` searches the rest). A derived knob (``dp``) is held by a constraint. An
+        unknown knob is a :class:`UsageError`."""
+        for name in values:
+            self.knob(name)
+        knobs = [knob if knob.name not in values or knob.derive is not None
+                 else dataclasses.replace(knob, choices=functools.partial(_held, knob, values[knob.name]))
+                 for knob in self.knobs]
+        derived = {name: value for name, value in values.items() if self.knob(name).derive is not None}
+        constraints = [*self.constraints, functools.partial(_derived_held, derived)] if derived else list(self.constraints)
+        return Space(knobs, constraints, dict(self.context))
 
     # ------------------------------------------------------------ enumeration
     def _violation(self, point: Point) -> str | None:
@@ -267,6 +283,17 @@ class Space:
                 params[self.param_name(knob, partial)] = point[knob.name]
             partial[knob.name] = point[knob.name]
         return params
+
+
+def _held(knob: Knob, value: Any, point: Point) -> list[Any]:
+    """A pinned knob's domain at ``point``: its value, where the knob's own domain has it."""
+    return [value] if value in knob.raw(point) else []
+
+
+def _derived_held(values: Mapping[str, Any], point: Point) -> str | None:
+    """The constraint holding derived knobs at pinned values."""
+    off = [f"{name}={point[name]}" for name, value in values.items() if point[name] != value]
+    return f"{', '.join(off)} differs from the pinned {format_point(values)}" if off else None
 
 
 def format_point(point: Mapping[str, Any]) -> str:

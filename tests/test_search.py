@@ -332,3 +332,21 @@ def test_time_model_ranks_the_recorded_grid_without_calibration():
     predicted = [model.time(problem.plan({k: r[k] for k in problem.space.names})).step for r in timed]
     assert len(timed) >= 100
     assert spearman(predicted, [float(r["step_s"]) for r in timed]) >= 0.85
+
+
+@pytest.mark.parametrize("strategy", ["tpe", "grid", "random", "frontier", "model"])
+def test_pinned_knobs_hold_in_every_strategy(grid, strategy, tmp_path):
+    """``tune --knobs tp=2``: every launched point has tp=2 and the search still explores the
+    other knobs; the pin is part of the study's settings, so a pinned run refuses an unpinned study."""
+    from slapo_tune import UsageError
+
+    results, budget, *_ = grid
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    tuner, runner = replay_tuner(strategy, 0, "analytic", results, budget, trials=6, knobs={"tp": "2"},
+                                 storage=storage)
+    tuner.run()
+    assert len(runner.launched) == 6 and {p["tp"] for p in runner.launched} == {2}
+    assert len({point_key(p) for p in runner.launched}) == 6
+    assert tuner.study.user_attrs["context"]["knobs"] == {"tp": "2"}
+    with pytest.raises(UsageError, match="knobs"):
+        replay_tuner(strategy, 0, "analytic", results, budget, trials=1, storage=storage)

@@ -163,3 +163,24 @@ def test_template_selection_and_loading(tmp_path):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(UsageError, match="cannot load template file .*RuntimeError: boom"):
         load_template(str(broken))
+
+
+def test_pinned_space_is_the_points_with_those_values():
+    """``tune --knobs``: the pinned space lists exactly the full space's points with the pinned
+    values (a pin legal only beside other choices, vpp=2 needs pp>1, included); a derived knob pins
+    by a constraint; an unknown knob or a value legal nowhere is a usage error naming the legal values."""
+    from slapo_tune.problem import ProblemSpec
+
+    problem = ProblemSpec("gpt2-tiny", 4, global_batch=16, seq_len=64).resolve()
+    full = list(problem.space.enumerate())
+    for pins in ({"tp": 2}, {"vpp": 2}, {"dp": 2, "zero": 3}, {"tp": 2, "sp": "on", "ckpt_policy": "selective"}):
+        pinned = problem.pinned(",".join(f"{k}={v}" for k, v in pins.items()))
+        expected = [p for p in full if all(p[k] == v for k, v in pins.items())]
+        assert expected and list(pinned.space.enumerate()) == expected, pins
+        point = pinned.space.suggest(optuna.create_study().ask())
+        assert all(point[k] == v for k, v in pins.items())
+    assert problem.pinned("").space is problem.space
+    with pytest.raises(UsageError, match="tp=3 is not legal for this model and world; legal values: 1, 2, 4"):
+        problem.pinned("tp=3")
+    with pytest.raises(UsageError, match="unknown knob 'speed'"):
+        problem.pinned({"speed": "max"})

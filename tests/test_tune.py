@@ -170,6 +170,9 @@ def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
     (["--storage", "not-a-url"], "unreadable storage URL 'not-a-url'"),
     (["--memory-budget", "4XB"], "unparsable size '4XB'"),
     (["--strategy", "simulated-annealing"], "unknown strategy 'simulated-annealing'"),
+    (["--knobs", "tp=3"], "tp=3 is not legal for this model and world; legal values: 1, 2"),
+    (["--knobs", "tp=2,pp=2"], "pp=2 is not legal for this model and world with tp=2; legal values: 1"),
+    (["--knobs", "speed=max"], "unknown knob 'speed'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, extra, message):
     out = tmp_path / "out"

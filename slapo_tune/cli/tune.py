@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
     p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
     p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
+    p.add_argument("--knobs", default="",
+                   help="hold knobs at values, e.g. tp=8,zero=3: the search explores the others (default: none)")
     p.add_argument("--strategy", default="tpe", help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
     p.add_argument("--objective", default="throughput", choices=["throughput", "throughput,memory"])
     p.add_argument("--prune", default="exact", choices=["exact", "analytic", "none"],
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from ..search import TuneConfig, Tuner
     from ..search._cluster import connect
     from ..search._storage import check_storage, redact
-    from ..space import format_point
+    from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
 
     if args.strategy not in STRATEGIES:
@@ -113,11 +115,13 @@ def run(args: argparse.Namespace) -> int:
     trial_timeout = parse_duration(args.trial_timeout)
     device = setup.kind
     model_label = args.model if args.model in preset_names() else Path(args.model).stem
-    out = Path(args.out or f"results/{model_label}-w{args.world_size}")
+    pins = parse_knobs(args.knobs)
+    # a pinned search is another study: its own folder by default
+    out = Path(args.out or f"results/{model_label}-w{args.world_size}" + (f"-{format_point(pins)}" if pins else ""))
     if out.exists() and not out.is_dir():
         raise UsageError(f"output folder {out} is a file; choose another --out")
     precision = args.precision or default_precision(device)
-    problem = problem_spec(args, precision=precision, device=device, memory_budget=budget).resolve()
+    problem = problem_spec(args, precision=precision, device=device, memory_budget=budget).resolve().pinned(pins)
     hardware, hardware_line = hardware_of(args, setup)
     if here:
         setup.concurrency(args.world_size)  # a world larger than the GPUs here fails before anything starts
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                             strategy=args.strategy, objective=args.objective, storage=args.storage,
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
-                            trial_time_limit=trial_timeout, hardware=hardware.name)
+                            trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins)
         printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
         tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
         storage = redact(args.storage) if args.storage else str(out / "study.journal")

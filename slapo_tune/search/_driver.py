@@ -54,6 +54,8 @@ class TuneConfig:
     # the cost model's hardware preset (cpu, a100-80gb, ...; see slapo_tune.cost_model.hardware);
     # None: the devices trials run on (this CPU measured, or the visible GPU's preset)
     hardware: str | None = None
+    # knobs held at a value (``tune --knobs tp=8,zero=3``): the search explores the others
+    knobs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def multi_objective(self) -> bool:
@@ -106,7 +108,7 @@ class Tuner:
 
         if not config.problem.memory_budget:
             raise UsageError("tuning needs a memory budget per rank")
-        self.problem = problem or config.problem.resolve()
+        self.problem = (problem or config.problem.resolve()).pinned(config.knobs)
         self.config = replace(config, problem=self.problem.spec)  # the problem's defaults filled in
         self.runner, self.report = runner, report or (lambda _event: None)
         self.space, self.workload, self.template = self.problem.space, self.problem.workload, self.problem.template
@@ -175,10 +177,13 @@ class Tuner:
                    "world_size": p.world_size, "global_batch": p.global_batch, "seq_len": p.seq_len,
                    "precision": p.precision, "device": p.device, "memory_budget": p.memory_budget,
                    "objective": self.config.objective}
+        if self.config.knobs:  # (absent when nothing is pinned: studies begun before pins match)
+            context["knobs"] = {k: str(v) for k, v in self.config.knobs.items()}
         if stored is None:
             study.set_user_attr("context", context)
         elif stored != context:
-            diff = ", ".join(f"{k}: {stored.get(k)!r} -> {v!r}" for k, v in context.items() if stored.get(k) != v)
+            diff = ", ".join(f"{k}: {stored.get(k)!r} -> {context.get(k)!r}" for k in dict.fromkeys([*context, *stored])
+                             if stored.get(k) != context.get(k))
             raise UsageError(f"study '{study.study_name}' was started with other settings ({diff}); "
                              f"use another --out or --study")
 
