@@ -37,6 +37,9 @@ POINTS = {
     "full-1": dict(ckpt_ratio=1.0),
     "pp": dict(pp=2, micro_batch=2),
     "vpp": dict(pp=2, vpp=2, micro_batch=2),
+    # 8 micro-batches, every block checkpointed: little in flight, so the peak is where torch's
+    # runtime schedule still holds every send it made (the step's last backward)
+    "vpp-sends": dict(pp=2, vpp=2, micro_batch=1, ckpt_ratio=1.0),
 }
 TOLERANCE = 0.10  # the analytic peak of every stage, relative to exact mode's
 
@@ -76,11 +79,13 @@ def _analytic(models, preset: str, name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("name", ["sp", "selective-0.5", "selective-1", "vpp"])
+@pytest.mark.parametrize("name", ["sp", "selective-0.5", "selective-1", "vpp", "vpp-sends"])
 def test_analytic_peak_is_within_10_percent_of_exact_mode(models, preset, name):
     """Sequence parallelism at tp=2, selective recomputation of half and of all blocks, and two
-    pipeline ranks of two interleaved stages each: every stage's analytic peak within 10 % of
-    exact mode's (the analytic model's pruning margin is twice that)."""
+    pipeline ranks of two interleaved stages each (also with 8 micro-batches of checkpointed
+    blocks, whose sends the schedule keeps until the step ends: 15 % under without them): every
+    stage's analytic peak within 10 % of exact mode's (the analytic model's pruning margin is
+    twice that)."""
     exact, analytic = _exact(models, preset, name), _analytic(models, preset, name)
     errors = [a / e - 1 for a, e in zip(analytic, exact, strict=True)]
     assert max(map(abs, errors)) <= TOLERANCE < DEFAULT_UNCERTAINTY, (exact, analytic, errors)

@@ -64,6 +64,7 @@ MEMORY_TERMS = (
     "logits",  # per micro-batch in flight (last stage): the loss's fp32 log-softmax, a pipeline stage's output
     "logits_grad",  # the loss's backward: two fp32 logits-sized gradients (log-softmax's and its input's)
     "pp_recv",  # pipeline receive buffers per micro-batch: activations (stages after the first), gradients (before the last)
+    "pp_sends",  # interleaved pipelines: what a rank has sent (chunk outputs, input gradients), alive until the step ends
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units (none by default; a calibration may find some)
 )
@@ -116,6 +117,7 @@ DEFAULT_WEIGHTS = {
     "logits": 1.0,
     "logits_grad": 1.0,
     "pp_recv": 1.0,
+    "pp_sends": 1.0,
     "dp_buckets": 1.0,
     # nothing of a fixed size is alive beyond the counted tensors (a real step's peak, measured):
     # a 1 MiB allowance made tiny models' predictions 13 % high on median; calibration may fit one
@@ -1162,6 +1164,25 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                     if rebuilt and recopies:
                         copies = events["backward_block" + suffix].get("compute_copies", 0.0)
                         events["backward_block" + suffix]["compute_copies"] = copies + recopies
+        if vpp > 1 and not sharded:
+            # torch's runtime schedules (interleaved 1F1B, interleaved zero bubble) wait for their
+            # sends only once the step's actions are done (_PipelineScheduleRuntime._step_microbatches):
+            # every chunk output sent forward (the chunks before the model's last) and every input
+            # gradient sent backward (the chunks after its first) stays alive until then. Their most
+            # is at the rank's last backward, beside the stage's gradients and that backward's
+            # temporaries (the first stage's: its embedding's gradient); on the last stage also at
+            # the step's last loss, the chunks still to run backward in flight (the warm-up's count)
+            sent = hidden_1 * m * (2 * vpp - first - last)
+            end = {**cache, "gradients": grads, "pp_sends": sent}
+            embedding_grads = embedding * Pb * (3 if layout.tied_head and last else 1)  # as in backward_end
+            end.update({"grads_transient": embedding_grads} if first else
+                       {"backward_temp": temp_1, "grads_transient": mlp_matrix * G})
+            events["backward_last"] = end
+            if last:
+                waiting = min(interleaved_warmup(pp, vpp, m, stage), m * vpp - 1)
+                events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent - hidden_1 * waiting,
+                                       **{k: v * waiting / vpp for k, v in per_mb.items()},
+                                       "logits": logits_1, "logits_grad": 2 * loss_1}
         if not sharded:
             # replicated data parallelism averages the fp32 gradients through flat buckets (a bucket
             # holds 32 MiB of gradients, or one larger gradient)
@@ -1259,7 +1280,7 @@ class LinearFeatures(NamedTuple):
 UNIT_ACTIVATIONS = BlockActivations(*[1.0] * len(BlockActivations._fields))
 # the feature (index in LinearFeatures) each term is a multiple of; every other term is a constant
 LINEAR_FIELD = MappingProxyType({"act_replicated": 1, "act_parallel": 2, "act_scores": 3, "act_fused": 4,
-                                 "act_checkpointed": 5, "pp_recv": 5, "act_selective": 6, "recompute": 7,
+                                 "act_checkpointed": 5, "pp_recv": 5, "pp_sends": 5, "act_selective": 6, "recompute": 7,
                                  "score_grads": 8})
 _TERM_FIELD = MappingProxyType({k: LINEAR_FIELD.get(k, 0) for k in MEMORY_TERMS})
 
