@@ -126,22 +126,23 @@ class Problem:
         """The plan for ``knobs`` (a mapping, or text such as ``"tp=2,pp=2"``): values given as
         text are converted to the knobs' types, knobs left out take their first legal value, and an
         unknown or illegal knob is a :class:`UsageError` naming its legal values."""
+        return Plan.of(self.space.complete(self._typed(knobs)), self.workload)
+
+    def _typed(self, knobs: Mapping[str, Any] | str) -> dict[str, Any]:
+        """``knobs`` (a mapping, or text such as ``"tp=2,pp=2"``), values given as text converted
+        to the knobs' types (an unknown knob is a :class:`UsageError`)."""
         if isinstance(knobs, str):
             knobs = parse_knobs(knobs)
         typed = coerce(self.space, {k: v for k, v in knobs.items() if isinstance(v, str)})
-        given = {k: typed.get(k, v) for k, v in knobs.items()}
-        return Plan.of(self.space.complete(given), self.workload)
+        return {k: typed.get(k, v) for k, v in knobs.items()}
 
     def pinned(self, knobs: Mapping[str, Any] | str) -> Problem:
         """This problem searching only the points with ``knobs`` (a mapping, or text such as
         ``"tp=8,zero=3"``) held (:meth:`Space.pinned`). A value legal in no point is a
         :class:`UsageError` naming the knob's legal values."""
-        if isinstance(knobs, str):
-            knobs = parse_knobs(knobs)
-        if not knobs:
+        given = self._typed(knobs)
+        if not given:
             return self
-        typed = coerce(self.space, {k: v for k, v in knobs.items() if isinstance(v, str)})
-        given = {k: typed.get(k, v) for k, v in knobs.items()}
         space = self.space.pinned(given)
         if next(space.enumerate(), None) is None:
             self.plan(given)  # names the first illegal knob and its legal values, where one is

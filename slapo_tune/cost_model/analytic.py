@@ -916,6 +916,10 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
 
     def stage_terms(stage: int) -> StageTerms:
         first, last = stage == 0, stage == pp - 1
+        # the first stage's backward ends in its embedding's, which makes a dense gradient of the
+        # whole table (a tied one sums it with the head's, held since the head's backward: three
+        # at once), beside every other gradient made
+        emb_1 = embedding * Pb * (3 if layout.tied_head and last else 1) if first else 0.0
         ckpt_chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
         ckpt = sum(ckpt_chunks)
         if vpp > 1 and ckpt:
@@ -1122,10 +1126,6 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 events[name + suffix] = {**cache, **current, "logits": logits, "recompute": recompute,
                                          "backward_temp": temp_1, **gathered(position, accumulated),
                                          **gradients(position, accumulated)}
-            # the first stage's backward ends in its embedding's, which makes a dense gradient of the
-            # whole table (a tied one sums it with the head's, held since the head's backward: three
-            # at once), beside every other gradient made
-            emb_1 = embedding * Pb * (3 if layout.tied_head and last else 1) if first else 0.0
             if not sharded and first:
                 if accumulated:
                     waiting = (per_stage * layout.block_sharded / tp + (head_matrix if last else 0.0)) * copy_bytes
@@ -1170,12 +1170,11 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             # every chunk output sent forward (the chunks before the model's last) and every input
             # gradient sent backward (the chunks after its first) stays alive until then. Their most
             # is at the rank's last backward, beside the stage's gradients and that backward's
-            # temporaries (the first stage's: its embedding's gradient); on the last stage also at
+            # temporaries (the first stage's: its embedding's gradient, emb_1); on the last stage also at
             # the step's last loss, the chunks still to run backward in flight (the warm-up's count)
             sent = hidden_1 * m * (2 * vpp - first - last)
             end = {**cache, "gradients": grads, "pp_sends": sent}
-            embedding_grads = embedding * Pb * (3 if layout.tied_head and last else 1)  # as in backward_end
-            end.update({"grads_transient": embedding_grads} if first else
+            end.update({"grads_transient": emb_1} if first else
                        {"backward_temp": temp_1, "grads_transient": mlp_matrix * G})
             events["backward_last"] = end
             if last:

@@ -54,7 +54,8 @@ class TuneConfig:
     # the cost model's hardware preset (cpu, a100-80gb, ...; see slapo_tune.cost_model.hardware);
     # None: the devices trials run on (this CPU measured, or the visible GPU's preset)
     hardware: str | None = None
-    # knobs held at a value (``tune --knobs tp=8,zero=3``): the search explores the others
+    # knobs held at a value (``tune --knobs tp=8,zero=3``): the search explores the others (a
+    # Tuner given a resolved problem takes it as pinned to these: Problem.pinned)
     knobs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -108,7 +109,8 @@ class Tuner:
 
         if not config.problem.memory_budget:
             raise UsageError("tuning needs a memory budget per rank")
-        self.problem = (problem or config.problem.resolve()).pinned(config.knobs)
+        # a given problem is the caller's, resolved and pinned (the CLI pins before anything starts)
+        self.problem = problem or config.problem.resolve().pinned(config.knobs)
         self.config = replace(config, problem=self.problem.spec)  # the problem's defaults filled in
         self.runner, self.report = runner, report or (lambda _event: None)
         self.space, self.workload, self.template = self.problem.space, self.problem.workload, self.problem.template
