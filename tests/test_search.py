@@ -11,12 +11,23 @@ import dataclasses
 import itertools
 import time
 
+import numpy as np
 import pytest
 
 from benchmarks._stats import censored
-from benchmarks.search_strategies import KNOB_TYPES, load_grid, replay_tuner, search, trials_to_within
+from benchmarks.search_strategies import (
+    GRIDS,
+    KNOB_TYPES,
+    SMALL,
+    load_grid,
+    replay_tuner,
+    search,
+    trials_to_within,
+)
 from runners.replay import ReplayRunner
-from slapo_tune.search._samplers import RandomSearch
+from slapo_tune.plan import TrialStatus
+from slapo_tune.search import DEFAULT_STRATEGY, STRATEGIES, TuneConfig
+from slapo_tune.search._samplers import Guided, RandomSearch
 from slapo_tune.space import point_key
 
 SEEDS = range(8)
@@ -48,6 +59,76 @@ def test_tpe_trials_to_3_percent_over_seeds(grid):
     spread = censored(counts)
     assert spread["reached"] == 1.0, counts
     assert spread["median"] is not None and spread["median"] <= 2 * limit, counts
+
+
+def _optimum(results) -> float:
+    return max(r.samples_per_s for r in results if r.status == "ok")
+
+
+@pytest.mark.parametrize("grid_name", GRIDS)
+def test_the_default_strategy_needs_fewer_trials_than_the_cost_models_ranking(grid_name):
+    """The default (guided: the cost model's ranking corrected by each measurement) comes within
+    3 % of each recorded grid's optimum in fewer trials than the ranking alone (measured: 5 vs 9 on
+    the small grid, 9 vs 16 on the reference grid), and launches the same points for any seed."""
+    assert DEFAULT_STRATEGY == "guided" and TuneConfig.__dataclass_fields__["strategy"].default == "guided"
+    results, budget = load_grid(grid_name)
+    cap = 3 * int(0.2 * sum(r.status == "ok" for r in results))
+    guided = [search("guided", seed, "analytic", results, budget, cap, grid=grid_name)[0] for seed in (0, 1)]
+    ranked = trials_to_within(search("model", 0, "analytic", results, budget, cap, grid=grid_name)[0],
+                              _optimum(results))
+    found = trials_to_within(guided[0], _optimum(results))
+    assert guided[0] == guided[1]
+    assert found is not None and ranked is not None and found < ranked <= cap, (found, ranked)
+
+
+def test_guided_corrects_a_wrong_time_model_where_the_ranking_alone_is_misled():
+    """Each seed multiplies the time model's predictions by a fixed factor between 1/2 and 2 per
+    knob value: over the same seeds guided's censored median of trials to within 3 % is below the
+    ranking's (measured over 20 seeds on the small grid: 9.5 vs 20)."""
+    results, budget = load_grid(SMALL)
+    optimum, cap = _optimum(results), 3 * int(0.2 * sum(r.status == "ok" for r in results))
+    medians = {}
+    for strategy in ("guided", "model"):
+        counts = [trials_to_within(search(strategy, seed, "analytic", results, budget, cap, perturb=True)[0], optimum)
+                  for seed in range(6)]
+        medians[strategy] = censored(counts)["median"]
+    assert medians["guided"] is not None and (medians["model"] is None or medians["guided"] < medians["model"]), medians
+
+
+def test_guided_learns_a_knob_values_correction_and_stops_when_nothing_can_win(grid):
+    """Measurements that say one knob value runs at half the predicted speed move every point with
+    that value down the ranking; once no open point can beat the best by the noise even at its
+    optimistic end, the search is over."""
+    from slapo_tune.search._known import Known
+
+    results, budget, _, _ = grid
+    tuner, _ = replay_tuner("guided", 0, "analytic", results, budget, trials=1)
+    sampler: Guided = tuner.sampler
+    table = sampler._tables()
+    candidates = np.arange(len(table["points"]))
+    predicted = np.exp(table["log_prior"])
+    # measured: the prior exactly, except that zero=3 runs at half its predicted throughput
+    measured = {}
+    for i in np.argsort(-predicted)[:12]:
+        point = table["points"][i]
+        if np.isfinite(table["log_prior"][i]):
+            measured[table["keys"][i]] = predicted[i] * (0.5 if point["zero"] == 3 else 1.0)
+    assert {table["points"][table["index"][k]]["zero"] for k in measured} >= {0, 3}
+    known = Known({k: TrialStatus.OK for k in measured}, {k: [v] for k, v in measured.items()}, {}, len(measured))
+    corrected, _, _ = sampler.scores(known, candidates)
+    with np.errstate(invalid="ignore"):  # points the cost model says cannot fit: -inf both
+        shift = corrected - table["log_prior"]
+    zero3 = np.array([p["zero"] == 3 for p in table["points"]]) & np.isfinite(shift)
+    assert shift[zero3].max() < shift[~zero3 & np.isfinite(shift)].min()
+    assert sampler.next_point(known) is not None and not sampler.stopped_early
+    # every other point the cost model says may fit measured 10x below the best: none left can win
+    best = max(measured.values())
+    values = {**{k: [v] for k, v in measured.items()},
+              **{k: [best / 10] for i, k in enumerate(table["keys"]) if k not in measured
+                 and np.isfinite(table["log_prior"][i])}}
+    known_most = Known({k: TrialStatus.OK for k in list(values)[:-1]}, dict(list(values.items())[:-1]), {},
+                       len(values) - 1)
+    assert sampler.next_point(known_most) is None and sampler.stopped_early
 
 
 class _Lasting(ReplayRunner):
@@ -96,7 +177,8 @@ def test_a_sampler_repeating_a_running_point_does_not_launch_it_twice(grid):
 
 
 @pytest.mark.parametrize("strategy,concurrency", [("tpe", 1), ("random", 1), ("grid", 1), ("frontier", 1),
-                                                  ("model", 1), ("tpe", 2), ("tpe", 4), ("random", 4)])
+                                                  ("model", 1), ("guided", 1), ("guided", 2), ("tpe", 2), ("tpe", 4),
+                                                  ("random", 4)])
 def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurrency):
     """With trials in flight (concurrency > 1) the sampler does not know the running points yet:
     the driver must still never launch one twice."""
@@ -108,7 +190,7 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
     assert len(keys) == len(set(keys)) == summary["launched"] == 30
     pruned = {point_key(t.user_attrs["point"]) for t in tuner.study.trials if t.user_attrs.get("status") == "pruned"}
     assert not pruned & set(keys)
-    assert pruned or strategy == "model"  # the model ranking never proposes what it would prune
+    assert pruned or strategy in ("model", "guided")  # the model's ranking never proposes what it would prune
     measured = {point_key(r.knobs): r.peak_memory[0] for r in results}
     assert all(measured[k] > budget for k in pruned)  # what was pruned does not fit, by measurement
     for t in tuner.study.trials:  # what a constraint-aware sampler (TPE) learns of each point
@@ -123,7 +205,7 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
             assert not t.constraints, (t.number, status)  # failed: nothing learnt
 
 
-@pytest.mark.parametrize("strategy", ["grid", "model", "frontier"])
+@pytest.mark.parametrize("strategy", ["grid", "model", "frontier", "guided"])
 def test_an_ordered_strategy_skips_the_points_in_flight(grid, strategy):
     """An ordered strategy works out its next point from the told trials and the running ones: with
     three trials in flight it never proposes a running point (no repeat to answer), and grid
@@ -334,7 +416,7 @@ def test_time_model_ranks_the_recorded_grid_without_calibration():
     assert spearman(predicted, [float(r["step_s"]) for r in timed]) >= 0.85
 
 
-@pytest.mark.parametrize("strategy", ["tpe", "grid", "random", "frontier", "model"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_pinned_knobs_hold_in_every_strategy(grid, strategy, tmp_path):
     """``tune --knobs tp=2``: every launched point has tp=2 and the search still explores the
     other knobs; the pin is part of the study's settings, so a pinned run refuses an unpinned study."""

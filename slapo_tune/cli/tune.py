@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..search import STRATEGIES
+from ..search import DEFAULT_STRATEGY, STRATEGIES
 from ._common import (
     add_device_argument,
     add_hardware_argument,
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
     p.add_argument("--knobs", default="",
                    help="hold knobs at values, e.g. tp=8,zero=3: the search explores the others (default: none)")
-    p.add_argument("--strategy", default="tpe", help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
     p.add_argument("--objective", default="throughput", choices=["throughput", "throughput,memory"])
     p.add_argument("--prune", default="exact", choices=["exact", "analytic", "none"],
                    help="cost-model pruning before launch (default: %(default)s)")

@@ -2,6 +2,6 @@
 model, with trials on a runner (local processes or a Ray cluster), resumable from its storage."""
 
 from ._driver import TuneConfig, Tuner
-from ._strategies import STRATEGIES, make_strategy
+from ._strategies import DEFAULT_STRATEGY, STRATEGIES, make_strategy
 
-__all__ = ["STRATEGIES", "TuneConfig", "Tuner", "make_strategy"]
+__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "TuneConfig", "Tuner", "make_strategy"]

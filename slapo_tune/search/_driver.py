@@ -21,7 +21,7 @@ from ..plan import TrialStatus
 from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
 from ._known import KnownReader, trial_status
-from ._strategies import Strategy, make_strategy, random_unknown
+from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -40,7 +40,7 @@ class TuneConfig:
     out: Path
     trials: int = 20
     time_budget: float | None = None
-    strategy: str = "tpe"
+    strategy: str = DEFAULT_STRATEGY
     objective: str = "throughput"
     storage: str | None = None
     study: str | None = None
@@ -119,7 +119,8 @@ class Tuner:
         self.cost = CostModel(self.problem, device)
         self._known = KnownReader()  # what the study knows: point key -> status, told values, running
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
-                                                          rank=self._predicted_throughput, known=self._known)
+                                                          rank=self._predicted_throughput, known=self._known,
+                                                          peak=lambda point: self.cost.memory(point).peak)
         self.outputs = Outputs(self.config.out, self.problem, self.config.strategy) if write_outputs else None
         self.progress = Progress()
         self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}

@@ -4,7 +4,7 @@
 :meth:`Space.suggest`; out-of-memory and pruned points reach them as infeasible (a positive
 ``memory`` constraint, set with ``Trial.set_constraint``, which TPE reads).
 
-``grid``, ``model`` and ``frontier`` choose whole points, in an order of their own, from what the
+``grid``, ``model``, ``frontier`` and ``guided`` choose whole points, in an order of their own, from what the
 study knows: an :class:`OrderedSampler` works out its next point once per trial, from the study's
 told trials and the points of its running ones, and answers each knob Optuna asks for with that
 point's value.
@@ -15,10 +15,12 @@ driver stops when a strategy has nothing left without asking which kind it has.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import optuna
 from optuna import Study
 from optuna.distributions import BaseDistribution
@@ -117,11 +119,22 @@ class ModelRanked(OrderedSampler):
         return self._order
 
 
+def _others(plan: Plan) -> Plan:
+    """A plan's knobs other than its micro-batch and checkpointing (its frontier group)."""
+    return replace(plan, micro_batch=0, ckpt_ratio=0.0)
+
+
+def beyond_the_frontier(micro_batch: int, ckpt_ratio: float, seen: Iterable[tuple[int, float, TrialStatus]]) -> bool:
+    """A known result of the same group says a point cannot fit: a smaller-or-equal micro-batch
+    with more-or-equal checkpointing ran out of memory (or was pruned), so this point, needing at
+    least as much memory, cannot fit either."""
+    return any(s.infeasible and m <= micro_batch and c >= ckpt_ratio for m, c, s in seen)
+
+
 class Frontier(OrderedSampler):
     """Slapo's walk along the out-of-memory frontier: for each setting of the other knobs, the
     largest micro-batch first and the least checkpointing that fits it. A point is skipped when a
-    known result settles it: a smaller-or-equal micro-batch with more-or-equal checkpointing ran
-    out of memory (so this point, needing at least as much, cannot fit either), or the same
+    known result settles it: it is beyond the frontier (:func:`beyond_the_frontier`), or the same
     micro-batch already fits with less checkpointing (so it can only be slower)."""
 
     def __init__(self, problem: Problem, seed: int = 0, known: KnownReader | None = None) -> None:
@@ -129,17 +142,12 @@ class Frontier(OrderedSampler):
         self._walk: list[list[tuple[str, Point, Plan]]] | None = None  # groups, each in walking order
         self._where: dict[str, tuple[int, Plan]] = {}  # point key -> (its group's index, its plan)
 
-    @staticmethod
-    def _others(plan: Plan) -> Plan:
-        """The plan's other knobs (its group): micro-batch and checkpointing blanked."""
-        return replace(plan, micro_batch=0, ckpt_ratio=0.0)
-
     def _groups(self) -> list[list[tuple[str, Point, Plan]]]:
         if self._walk is None:  # the space is fixed: group and sort it once
             groups: dict[Plan, list[tuple[str, Point, Plan]]] = {}
             for point in self.space.enumerate():
                 plan = Plan.of(point, self.problem.workload)
-                groups.setdefault(self._others(plan), []).append((point_key(point), point, plan))
+                groups.setdefault(_others(plan), []).append((point_key(point), point, plan))
             self._walk = [sorted(members, key=lambda m: (-m[2].micro_batch, m[2].ckpt_ratio))
                           for members in groups.values()]
             self._where = {key: (i, plan) for i, members in enumerate(self._walk) for key, _, plan in members}
@@ -158,9 +166,136 @@ class Frontier(OrderedSampler):
                 if key in known:
                     continue
                 mb, ck = plan.micro_batch, plan.ckpt_ratio
-                if any(s.infeasible and m <= mb and c >= ck for m, c, s in seen):
+                if beyond_the_frontier(mb, ck, seen):
                     continue
                 if any(s is TrialStatus.OK and m == mb and c < ck for m, c, s in seen):
                     continue
                 return point
         return None
+
+
+class Guided(OrderedSampler):
+    """The cost model's ranking, corrected by what the study measured (the default strategy).
+
+    Each point's predicted throughput is the prior; every measured point corrects it: the log of
+    measured over predicted throughput is fitted (ridge regression, shrunk towards the prior) as a
+    sum of one correction per knob value, so a time model that misjudges a knob (a kernel, a GPU's
+    communication) is corrected for every point with that value after a few trials. The next
+    point is the best corrected prediction plus a bonus for what the measurements have not pinned
+    down yet (the regression's uncertainty at the point: unseen knob values), among the points not
+    known and not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`). Points
+    the cost model says cannot fit come last. The search stops early once no remaining point can
+    beat the best measured one by more than the noise, even at the optimistic end of its
+    uncertainty. A measured out-of-memory point puts every point predicted to need as much memory
+    after the others. Deterministic: exact ties go to the first point in the space's order (as
+    ``model``'s), whatever the seed."""
+
+    RIDGE = 1.0  # pseudo-observations per knob value: how far one measurement moves a correction
+    EXPLORE = 1.0  # the bonus, in standard deviations of a point's corrected log-throughput
+    STOP = 2.0  # stop when even this many standard deviations above cannot beat the best by NOISE
+    NOISE = 0.03  # relative step-time noise of a trial (a short trial's spread on a busy machine)
+    PRIOR_SPREAD = 0.3  # the time model's log-error assumed before measurements tell it (about 35 %)
+    PRIOR_WEIGHT = 4  # measurements the assumed spread counts as (a few fitted points are overconfident)
+    MIN_MEASURED = 4  # measured points before the search may stop early
+
+    def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
+                 known: KnownReader | None = None, peak: Callable[[Point], float] | None = None) -> None:
+        super().__init__(problem, seed, known)
+        if rank is None or peak is None:
+            raise ValueError("the guided strategy needs the cost model's throughput and peak predictions")
+        self.rank, self.peak = rank, peak
+        self._table: dict[str, Any] | None = None
+        self.stopped_early = False
+
+    def _tables(self) -> dict[str, Any]:
+        """The space's points in a seeded order, each one's log prior, its features (one column
+        index per knob: the knob's value) and frontier group; built once (the space is fixed)."""
+        if self._table is None:
+            points = list(self.space.enumerate())  # exact ties go to the first in the space's order
+            prior = np.array([self.rank(p) for p in points], dtype=float)
+            columns: dict[tuple[str, str], int] = {}
+            features = np.array([[columns.setdefault((k, str(v)), len(columns)) for k, v in sorted(p.items())]
+                                 for p in points], dtype=np.int64).reshape(len(points), -1)
+            plans = [Plan.of(p, self.problem.workload) for p in points]
+            groups: dict[Plan, int] = {}
+            self._table = {
+                "points": points, "keys": [point_key(p) for p in points],
+                "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
+                "peak": np.array([self.peak(p) for p in points], dtype=float),
+                "features": features, "width": len(columns),
+                "group": [groups.setdefault(_others(plan), len(groups)) for plan in plans],
+                "mb": [plan.micro_batch for plan in plans], "ckpt": [plan.ckpt_ratio for plan in plans],
+            }
+            self._table["index"] = {key: i for i, key in enumerate(self._table["keys"])}
+        return self._table
+
+    def scores(self, known: Known, points: np.ndarray) -> tuple[np.ndarray, np.ndarray, float | None]:
+        """The corrected log-throughput of the points of indices ``points``, its standard
+        deviation, and the best measured log-throughput (None before any)."""
+        t = self._tables()
+        index, features, log_prior = t["index"], t["features"], t["log_prior"]
+        rows, residuals, best = [], [], None
+        for key, values in known.values.items():
+            i = index.get(key)
+            if i is None or known.status.get(key) is not TrialStatus.OK or not values or values[0] <= 0:
+                continue
+            measured = math.log(values[0])
+            best = measured if best is None else max(best, measured)
+            if np.isfinite(log_prior[i]):
+                rows.append(i)
+                residuals.append(measured - log_prior[i])
+        width = t["width"]
+        gram = self.RIDGE * np.eye(width)
+        target = np.zeros(width)
+        offset, spread = 0.0, self.PRIOR_SPREAD
+        if rows:
+            r = np.array(residuals)
+            offset = float(r.mean())  # the time model's overall scale: not shrunk
+            for i, y in zip(rows, r - offset):
+                gram[np.ix_(features[i], features[i])] += 1.0
+                target[features[i]] += y
+        inverse = np.linalg.inv(gram)
+        weights = inverse @ target
+        if rows:  # the prior's error around its scale, pooled with the assumed one as PRIOR_WEIGHT measurements
+            # (not the fit's residuals: with a correction per knob value a few points fit too well)
+            squares = float(np.sum((np.array(residuals) - offset) ** 2))
+            spread = max(self.NOISE, math.sqrt((self.PRIOR_WEIGHT * self.PRIOR_SPREAD**2 + squares)
+                                               / (self.PRIOR_WEIGHT + len(rows))))
+        features, log_prior = features[points], log_prior[points]
+        corrected = log_prior + offset + weights[features].sum(axis=1)
+        variance = np.concatenate([inverse[f[:, :, None], f[:, None, :]].sum(axis=(1, 2))  # x' A^-1 x, by chunks
+                                   for f in np.array_split(features, max(1, len(features) // 20000))])
+        return corrected, spread * np.sqrt(np.maximum(variance, 0.0)), best
+
+    def _open(self, known: Known) -> list[int]:
+        """Indices of the points neither known nor beyond a measured frontier."""
+        t = self._tables()
+        seen: dict[int, list[tuple[int, float, TrialStatus]]] = {}
+        for key, status in known.status.items():
+            i = t["index"].get(key)
+            if i is not None and status.infeasible:
+                seen.setdefault(t["group"][i], []).append((t["mb"][i], t["ckpt"][i], status))
+        return [i for i, key in enumerate(t["keys"]) if key not in known
+                and not beyond_the_frontier(t["mb"][i], t["ckpt"][i], seen.get(t["group"][i], ()))]
+
+    def next_point(self, known: Known) -> Point | None:
+        t = self._tables()
+        open_ = self._open(known)
+        if not open_:
+            return None
+        candidates = np.array(open_)
+        corrected, deviation, best = self.scores(known, candidates)
+        measured = sum(1 for s in known.status.values() if s is TrialStatus.OK)
+        can_beat = corrected + self.STOP * deviation > (best or 0.0) + math.log1p(self.NOISE)
+        if best is not None and measured >= self.MIN_MEASURED and not np.any(can_beat):
+            self.stopped_early = True
+            return None
+        score = corrected + self.EXPLORE * deviation
+        # a measured out-of-memory point says the memory model is optimistic up to its predicted
+        # peak: the points predicted to need as much or more are tried after every other
+        ooms = [t["index"][k] for k, s in known.status.items() if s is TrialStatus.OOM and k in t["index"]]
+        if ooms:
+            score = np.where(t["peak"][candidates] >= min(t["peak"][i] for i in ooms), score - 1e6, score)
+        if not np.any(np.isfinite(score)):  # only points the cost model says cannot fit: in the space's order
+            return t["points"][int(candidates[0])]
+        return t["points"][int(candidates[int(np.argmax(score))])]

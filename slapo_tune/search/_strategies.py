@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
     from ..problem import Problem
 
-STRATEGIES = ("tpe", "grid", "random", "frontier", "model")
+STRATEGIES = ("guided", "tpe", "grid", "random", "frontier", "model")
+DEFAULT_STRATEGY = "guided"
 
 
 class Strategy(Protocol):
@@ -28,9 +29,10 @@ class Strategy(Protocol):
 
 
 def make_strategy(name: str, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
-                  known: KnownReader | None = None) -> BaseSampler:
+                  known: KnownReader | None = None, peak: Callable[[Point], float] | None = None) -> BaseSampler:
     """The Optuna sampler of strategy ``name``, a :class:`Strategy` too (``rank``: the cost model's
-    predicted throughput of a point, which the ``model`` strategy orders by; ``known``: the reader
+    predicted throughput of a point, which the ``model`` strategy orders by and ``guided`` starts
+    from; ``peak``: its predicted peak memory, which ``guided`` reads; ``known``: the reader
     of the study the caller already keeps, which the ordered strategies then share)."""
     from . import _samplers
 
@@ -40,9 +42,11 @@ def make_strategy(name: str, problem: Problem, seed: int = 0, rank: Callable[[Po
         return _samplers.TPE(seed)
     if name == "random":
         return _samplers.RandomSearch(seed)
-    if name == "model":
-        if rank is None:
-            raise UsageError("the 'model' strategy needs the cost model")
+    if name in ("model", "guided"):
+        if rank is None or (name == "guided" and peak is None):
+            raise UsageError(f"the '{name}' strategy needs the cost model")
+        if name == "guided":
+            return _samplers.Guided(problem, seed, rank, known, peak)
         return _samplers.ModelRanked(problem, seed, rank, known)
     return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed, known)
 
