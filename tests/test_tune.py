@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 from slapo_tune.cli import main
+from slapo_tune.plan import KNOBS as PLAN_KNOBS
 from slapo_tune.schedule_file import read_schedule
 
 LAUNCHED = ("ok", "oom", "crash", "timeout")
@@ -72,7 +73,7 @@ def _launched_points(frame: pd.DataFrame, knobs: list[str]) -> list[tuple]:
     return [tuple(r) for r in frame[frame.status.isin(LAUNCHED)][knobs].itertuples(index=False)]
 
 
-KNOBS = ["tp", "pp", "dp", "zero", "micro_batch", "ckpt_ratio", "pipeline_schedule", "attn", "fuse"]
+KNOBS = list(PLAN_KNOBS)  # a point is all of them (points differing in ckpt_policy alone are two)
 
 
 def _dashboard_trial_names(out: Path, home: Path) -> set[str]:

@@ -186,8 +186,8 @@ class Guided(OrderedSampler):
     known and not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`). Points
     the cost model says cannot fit come last. The search stops early once no remaining point can
     beat the best measured one by more than the noise, even at the optimistic end of its
-    uncertainty. A measured out-of-memory point puts every point predicted to need as much memory
-    after the others. Deterministic: exact ties go to the first point in the space's order (as
+    uncertainty. A measured out-of-memory point (or one exact mode pruned) puts every point
+    predicted to need as much memory after the others. Deterministic: exact ties go to the first point in the space's order (as
     ``model``'s), whatever the seed."""
 
     RIDGE = 1.0  # pseudo-observations per knob value: how far one measurement moves a correction
@@ -291,9 +291,10 @@ class Guided(OrderedSampler):
             self.stopped_early = True
             return None
         score = corrected + self.EXPLORE * deviation
-        # a measured out-of-memory point says the memory model is optimistic up to its predicted
-        # peak: the points predicted to need as much or more are tried after every other
-        ooms = [t["index"][k] for k, s in known.status.items() if s is TrialStatus.OOM and k in t["index"]]
+        # a measured out-of-memory point (or one exact mode pruned: analytic mode let it through)
+        # says the memory model is optimistic up to its predicted peak: the points predicted to need
+        # as much or more are tried after every other
+        ooms = [t["index"][k] for k, s in known.status.items() if s.infeasible and k in t["index"]]
         if ooms:
             score = np.where(t["peak"][candidates] >= min(t["peak"][i] for i in ooms), score - 1e6, score)
         if not np.any(np.isfinite(score)):  # only points the cost model says cannot fit: in the space's order
