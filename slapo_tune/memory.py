@@ -95,12 +95,15 @@ _CATEGORIES = {"Parameter": "parameters", "Buffer": "parameters", "Optstate": "o
 
 
 def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  device: str | torch.device = "cpu", extra: Iterable[torch.Tensor] = ()) -> MemoryBreakdown:
+                  device: str | torch.device = "cpu", extra: Iterable[torch.Tensor] = (),
+                  held: Iterable[torch.Tensor] = ()) -> MemoryBreakdown:
     """Peak memory of one real step (``run_step``: gradients and the optimizer update) of a model
     whose optimizer state already exists. CUDA: the allocator's peak over the step; CPU: the
     largest total of live tensor storages on the device, by ``MemTracker``, which sees only what
-    exists before the step if it is the stage's, the optimizer's state, or in ``extra`` (fp32
-    master weights: the optimizer's parameters, not the stage's)."""
+    exists before the step if it is the stage's, the optimizer's state, in ``extra`` (fp32 master
+    weights: the optimizer's parameters, not the stage's) or in ``held`` (what the step keeps
+    between steps and no module owns: a pipeline's receive buffers, counted as activations; the
+    allocator sees them by itself)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -111,8 +114,9 @@ def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer
         # of); reserved: what the device had to hold for them, fragmentation included
         return MemoryBreakdown(total=torch.cuda.max_memory_allocated(device),
                                reserved=torch.cuda.max_memory_reserved(device))
+    held = _distinct_storages(held)
     tracker = _step_mem_tracker()()
-    tracker.track_external(stage, optimizer, *extra)
+    tracker.track_external(stage, optimizer, *extra, *held)
     with tracker:
         run_step()
     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
@@ -121,4 +125,17 @@ def measured_peak(run_step: Callable[[], Any], stage: torch.nn.Module, optimizer
         category = _CATEGORIES.get(getattr(kind, "value", str(kind)))
         if category:
             setattr(out, category, getattr(out, category) + nbytes)
+    # MemTracker files the held tensors under "other", with the master weights; alive all step,
+    # they are in the peak whatever its moment: moved to the activations they were received as
+    moved = sum(t.untyped_storage().nbytes() for t in held)
+    out.optimizer -= moved
+    out.activations += moved
     return out
+
+
+def _distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per storage (views of one buffer count once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(t.untyped_storage().data_ptr() or id(t.untyped_storage()), t)
+    return list(seen.values())

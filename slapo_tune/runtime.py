@@ -140,6 +140,23 @@ class TrainStep:
             stages if interleaved else stages[0], self.n_microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self._shape = shape
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The tensors the step keeps from one step to the next that no module or optimizer owns:
+        torch's pipeline stages make a receive buffer per micro-batch for every activation and
+        every gradient a stage receives on their first step, and keep them (a rank of an
+        interleaved pipeline: for each of its chunks). Empty before the first step and without a
+        pipeline. A device's allocator counts them in every later step's peak; a tracker that
+        starts from the modules and the optimizer must be given them."""
+        if self._schedule is None:
+            return []
+        stages = getattr(self._schedule, "_stages", None) or [self._schedule._stage]
+        held = []
+        for stage in stages:
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+                held += [info.buffer for info in infos
+                         if not getattr(info, "is_root_arg", False) and isinstance(info.buffer, torch.Tensor)]
+        return held
+
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel rank's slice of the global batch."""
         ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])

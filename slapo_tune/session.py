@@ -121,7 +121,8 @@ class Session:
         losses: list[torch.Tensor] = []
         master = self.stage.master
         peak = measured_peak(lambda: losses.append(self.train_step(batch)), self.stage, self.optimizer,
-                             self.device, extra=list(master.parameters()) if master is not None else ())
+                             self.device, extra=list(master.parameters()) if master is not None else (),
+                             held=self.step.held_buffers())
         return peak, float(losses[0])
 
     def measure(self, batch: Mapping[str, torch.Tensor], *, warmup_steps: int = 1, timed_steps: int = 3,

@@ -25,10 +25,29 @@ def real_steps_rank(ctx, spec, points: list[dict]) -> list[dict]:
         session.train_step(batch)  # the optimizer state exists from here on
         ours, theirs = PeakTracker(), StepMemTracker()
         ours.track(session.stage, session.optimizer)
-        theirs.track_external(session.stage, session.optimizer)
+        held = session.step.held_buffers()  # a pipeline's receive buffers: given to both alike
+        for buffer in held:
+            ours._add(buffer, "activations")
+        theirs.track_external(session.stage, session.optimizer, *held)
         with theirs, ours:
             session.train_step(batch)
         measured["both"] = (ours.peak, theirs.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
         out.append(measured)
         dist.barrier()
+    return out
+
+
+def held_buffers_rank(ctx, spec, point: dict, steps: int = 3) -> list[tuple[int, list[int]]]:
+    """For each of ``steps`` steps: the bytes of the pipeline receive buffers the step keeps
+    (:meth:`TrainStep.held_buffers`) and their storages' addresses."""
+    from slapo_tune.session import Session
+
+    problem = spec.resolve()
+    session = Session(problem, problem.plan(point), seed=0)
+    batch = session.synthetic_batch()
+    out = []
+    for _ in range(steps):
+        session.train_step(batch)
+        held = session.step.held_buffers()
+        out.append((sum(t.untyped_storage().nbytes() for t in held), [t.untyped_storage().data_ptr() for t in held]))
     return out

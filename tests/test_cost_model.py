@@ -95,6 +95,28 @@ def test_the_prediction_tracker_and_torch_memtracker_agree_on_real_steps(real_st
             assert ours == theirs and ours > 2**20, (preset, MEMORY_POINTS[index], rank)
 
 
+@pytest.mark.parametrize("knobs", [{"pp": 2, "micro_batch": 1}, {"pp": 2, "vpp": 2, "micro_batch": 1}],
+                         ids=["1f1b", "interleaved"])
+def test_pipeline_receive_buffers_outlive_the_step_and_are_the_analytic_pp_recv(knobs):
+    """torch's pipeline stages make a receive buffer per micro-batch for every activation and
+    gradient they receive on their first step and keep them (the same storages step after step):
+    a device's allocator counts them in every peak, though no module or optimizer owns them, so
+    exact mode and the measured peak are given them (TrainStep.held_buffers). Their bytes per rank
+    are the analytic model's pp_recv term: m micro-batches x (2 vpp - first - last) hidden states."""
+    from _memory_workers import held_buffers_rank
+
+    spec = _memory_spec("gpt2-tiny")
+    point = _point(WORLD, **knobs)
+    problem = spec.resolve()
+    per_rank = launch(held_buffers_rank, WORLD, args=(spec, point), timeout=600)
+    model = CostModel(problem, CPU)
+    for stage, steps in enumerate(per_rank):
+        sizes, addresses = zip(*steps)
+        assert len(set(sizes)) == 1 and all(a == addresses[0] for a in addresses), stage  # kept, not remade
+        terms = memory_terms(model.layout, point, problem.workload, model.backend, [stage])[0]
+        assert sizes[0] == terms.base["pp_recv"] > 0, (stage, sizes[0], terms.base)
+
+
 def _closed_form_llama_params(stage, pp, tp, layers=80, h=8192, heads=64, kv=8, inter=28672, vocab=32000):
     hd = h // heads
     per_layer_matrices = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter

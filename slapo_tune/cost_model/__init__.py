@@ -266,9 +266,11 @@ class CostModel:
     def _stage_floor(self, point: Mapping[str, Any], stage: int, micro_batches: int,
                      weights: Mapping[str, float]) -> tuple[float, float]:
         """A stage's weighted model states (as :meth:`layout_floor`) and, accumulating, the
-        gradients its loss moment holds: once per layout, micro-batch size and stage."""
+        gradients its loss moment holds: once per layout, micro-batch size, stage and vpp."""
         cache = self._weighted("stage_floor", weights)
-        key = (point["tp"], point["pp"], point["dp"], point["zero"], point["micro_batch"], stage)
+        # vpp: an interleaved stage with no steady state accumulates less at its loss (stage_builder)
+        key = (point["tp"], point["pp"], point["dp"], point["zero"], point["micro_batch"], stage,
+               knob_value(point, "vpp") if point["pp"] > 1 else 1)
         if key not in cache:
             st = stage_builder(self.layout, point, self.workload, self.backend)(stage)
             loss = st.moments.get("loss", {}) if micro_batches > 1 else {}

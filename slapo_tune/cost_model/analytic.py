@@ -1081,10 +1081,26 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # ones with gradients (accumulating) beside fewer micro-batches (as many: one stage, a
         # 1F1B stage holding fewer than all: the first backward's moments, dominated term by term,
         # are left out)
+        # torch's runtime schedules (interleaved) keep what they send until the step ends (see
+        # backward_last below), so the steady state's in-flight micro-batches meet more sends with
+        # every step: at its end, once the last forward is done, every forward send and the sends of
+        # the backwards run so far (all but the warm-up's count still to run; a rank's first chunk
+        # sends none on the model's first stage)
+        steady_sends = 0.0
+        if vpp > 1 and m > 1:
+            left = min(interleaved_warmup(pp, vpp, m, stage), m * vpp)
+            steady_sends = hidden_1 * (m * (vpp - last) + (m * vpp - left) * (vpp - first) / vpp)
         variants = [("", held, logits_held, True)] if m > 1 else []
         if m == 1 or (fresh, logits_fresh) != (held, logits_held):
             variants.insert(0, ("_first", fresh, logits_fresh, False))
+        # interleaved with no steady state (the warm-up runs every forward): the accumulating
+        # moments are the cool-down's second backward, when only the chunk the rank runs backward
+        # first (its last) has made gradients, not the whole stage
+        cooling = vpp > 1 and m * vpp - interleaved_warmup(pp, vpp, m, stage) < 2
+        # what a backward's end frees: a micro-batch's activations, or interleaved, its chunk's
+        done = 1 / vpp
         for suffix, flight, logits_flight, accumulated in variants:
+            before = set(events)
             acts = {k: v * flight for k, v in per_mb.items()}
             # once the loss's backward is done, the micro-batch's log-softmax is freed
             logits = out_1 * logits_flight + loss_1 * (logits_flight - 1)
@@ -1092,12 +1108,13 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             alive.pop("grads_unsharded", None)
             alive.pop("grads_transient", None)
             # the loss of a micro-batch: its logits' gradients beside the logits
+            sends = {"pp_sends": steady_sends} if accumulated and vpp > 1 and m > 1 else {}
             events["loss" + suffix] = {**cache, **alive, **acts, "logits": logits_1 * logits_flight,
-                                       "logits_grad": 2 * loss_1, **gathered(per_stage, accumulated)}
+                                       "logits_grad": 2 * loss_1, **gathered(per_stage, accumulated), **sends}
             # the stage's backward starts: every activation alive, the block's gradient temporaries
             events["backward_start" + suffix] = {
                 **cache, **acts, "logits": logits, "backward_temp": temp_1,
-                **gathered(top, accumulated), **gradients(top, accumulated)}
+                **gathered(top, accumulated), **gradients(top, accumulated), **sends}
             if top not in positions and (score_grads_1.any() if isinstance(score_grads_1, np.ndarray) else score_grads_1):
                 # the last block's attention backward: its MLP's activations freed, the gradients of
                 # its materialised scores alive
@@ -1105,7 +1122,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                     **cache, **acts, "act_replicated": rep_1 * (full * flight - mlp_rep_share),
                     "act_parallel": par_1 * (full * flight - mlp_par_share), "act_fused": fused_1 * (full * flight - 1),
                     "logits": logits, "score_grads": score_grads_1,
-                    **gathered(top, accumulated), **gradients(top, accumulated)}
+                    **gathered(top, accumulated), **gradients(top, accumulated), **sends}
             # The backward walks the blocks last to first, freeing each one's activations. A
             # checkpointed block is rebuilt beside the full blocks before it and the gradients of
             # the blocks after it: the last such block has the most activations beside it, the
@@ -1125,7 +1142,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 # the stage holds a micro-batch's output (the logits) until its backward is done
                 events[name + suffix] = {**cache, **current, "logits": logits, "recompute": recompute,
                                          "backward_temp": temp_1, **gathered(position, accumulated),
-                                         **gradients(position, accumulated)}
+                                         **gradients(position, accumulated), **sends}
             if not sharded and first:
                 if accumulated:
                     waiting = (per_stage * layout.block_sharded / tp + (head_matrix if last else 0.0)) * copy_bytes
@@ -1133,8 +1150,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 else:
                     ended = {**_fresh_gradients(m, False, params * G), "grads_transient": emb_1 - embedding * Pb}
                 events["backward_end" + suffix] = {
-                    **cache, **{k: v * (flight - 1) for k, v in per_mb.items()},
-                    "logits": logits_1 * (logits_flight - 1), **ended}
+                    **cache, **{k: v * (flight - done) for k, v in per_mb.items()},
+                    "logits": logits_1 * (logits_flight - 1), **ended, **sends}
             if level == 1 or deferred:
                 # the backward ends with every gradient of the stage made, the stage gathered, the
                 # other micro-batches in flight (FSDP then upcasts bf16 gradients, or reduces)
@@ -1144,8 +1161,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 # stage has no transient of it)
                 made["grads_transient"] = emb_1 if accumulated else max(0.0, emb_1 - embedding * Pb)
                 events["backward_end" + suffix] = {
-                    **cache, **{k: v * (flight - 1) for k, v in per_mb.items()},
-                    "logits": logits_1 * (logits_flight - 1), "gathered": whole, **made}
+                    **cache, **{k: v * (flight - done) for k, v in per_mb.items()},
+                    "logits": logits_1 * (logits_flight - 1), "gathered": whole, **made, **sends}
             if level >= 2 and not deferred:
                 # levels 2 and 3: the first reduce-scatter of the backward (the last block's, just
                 # resharded), then the next block's backward beside its kept input buffer
@@ -1164,6 +1181,10 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                     if rebuilt and recopies:
                         copies = events["backward_block" + suffix].get("compute_copies", 0.0)
                         events["backward_block" + suffix]["compute_copies"] = copies + recopies
+            if accumulated and cooling and not sharded:
+                for name in set(events) - before:
+                    if "gradients" in events[name]:
+                        events[name]["gradients"] /= vpp
         if vpp > 1 and not sharded:
             # torch's runtime schedules (interleaved 1F1B, interleaved zero bubble) wait for their
             # sends only once the step's actions are done (_PipelineScheduleRuntime._step_microbatches):
@@ -1177,6 +1198,16 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             end.update({"grads_transient": emb_1} if first else
                        {"backward_temp": temp_1, "grads_transient": mlp_matrix * G})
             events["backward_last"] = end
+            if ckpt_chunks[0]:
+                # the rank's last backward (its first chunk's, of the step's last micro-batch) rebuilds
+                # that chunk's last checkpointed block beside every send but its own (made by it)
+                chunk_full = per_stage // vpp - ckpt_chunks[0]
+                events["backward_last_rebuild"] = {
+                    **cache, **gradients(top, True), "pp_sends": sent - (0.0 if first else hidden_1),
+                    "act_replicated": rep_1 * chunk_full, "act_parallel": par_1 * chunk_full,
+                    "act_scores": scores_1 * chunk_full, "act_fused": fused_1 * chunk_full,
+                    "act_checkpointed": hidden_1 * ckpt_chunks[0], "act_selective": sel_1 * ckpt_chunks[0],
+                    "recompute": recompute, "backward_temp": temp_1}
             if last:
                 waiting = min(interleaved_warmup(pp, vpp, m, stage), m * vpp - 1)
                 events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent - hidden_1 * waiting,
