@@ -10,7 +10,10 @@ never launched twice). Out-of-memory and pruned points are told to Optuna as inf
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +32,24 @@ if TYPE_CHECKING:
     from optuna.trial import Trial
 
 MAX_DUPLICATES = 3  # consecutive known points from a sampler before the driver picks one itself
+# how long a driver waits for an earlier-asked trial of another driver to name its point before
+# deciding a reservation without it (a driver killed between ask and naming leaves one for good)
+RESERVATION_WAIT = 10.0
+
+
+def driver_alive(driver: str) -> bool | None:
+    """Whether the driver named ``driver`` (``host:pid:tag``) still runs: True or False on this
+    host (its process exists or not), None on another (it cannot be told from here)."""
+    host, _, rest = driver.partition(":")
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(int(rest.split(":")[0]), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 @dataclass
@@ -118,6 +139,8 @@ class Tuner:
                   else hardware_for(device_setup(self.problem.spec.device, here=False))[0])
         self.cost = CostModel(self.problem, device)
         self._known = KnownReader()  # what the study knows: point key -> status, told values, running
+        # this driver's name in the study: other drivers on it leave its running trials alone
+        self.driver = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
                                                           rank=self._predicted_throughput, known=self._known,
                                                           peak=lambda point: self.cost.memory(point).peak)
@@ -165,6 +188,9 @@ class Tuner:
         study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=self.sampler,
                                     load_if_exists=True)
         self._check_same_study(study)
+        # registered before its first ask: another driver starting meanwhile leaves this one's
+        # trials alone, even one asked but not yet named (_held_elsewhere)
+        study.set_user_attr(f"driver:{self.driver}", time.time())
         self._recover(study)
         return study
 
@@ -192,13 +218,21 @@ class Tuner:
 
     def _recover(self, study: Study) -> None:
         """Count the study's trials so far. Trials left RUNNING by a killed driver are failed (they
-        then read as interrupted: see ``_known``) and their points queued again, once."""
+        then read as interrupted: see ``_known``) and their points queued again, once. A trial
+        another driver still runs (on this host: its process exists; on another: it started less
+        than twice the trial time limit ago) is left to it, and this driver's sampler is reseeded:
+        drivers started together with one seed would otherwise propose the same points."""
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
+        self.study_user_attrs = study.user_attrs
         retried = {t.user_attrs.get("retry_of") for t in trials}
+        others = False
         for t in trials:
             point = t.user_attrs.get("point")
+            if t.state == TrialState.RUNNING and self._held_elsewhere(t):
+                others = True
+                continue
             if t.state == TrialState.RUNNING:
                 study.tell(t.number, state=TrialState.FAIL)
                 if point and t.number not in retried and "retry_of" not in t.user_attrs:
@@ -208,6 +242,30 @@ class Tuner:
             if point is not None and status is not None and (status.launched or status is TrialStatus.PRUNED):
                 self.progress.count(status, point, t.values[0] if t.values else None)
         self.progress.since_best = 0  # patience counts this run's trials
+        if others and hasattr(self.sampler, "reseed_rng"):
+            self.sampler.reseed_rng()
+
+    def _held_elsewhere(self, trial) -> bool:
+        """A RUNNING ``trial`` another live driver runs (see :meth:`_recover`): its driver's
+        process exists (this host) or the trial started less than twice the trial time limit ago
+        (another host). A trial not named yet (asked a moment ago) is another's while any other
+        driver registered on the study is alive."""
+        import datetime
+
+        recent = 2 * self.config.trial_time_limit + 60
+        driver = trial.user_attrs.get("driver")
+        if driver is None:
+            registered = {k.removeprefix("driver:"): v for k, v in self.study_user_attrs.items()
+                          if k.startswith("driver:")}
+            return any(name != self.driver and (driver_alive(name) or (driver_alive(name) is None
+                                                                      and time.time() - since < recent))
+                       for name, since in registered.items())
+        if driver == self.driver:
+            return False
+        alive = driver_alive(driver)
+        if alive is None and trial.datetime_start is not None:
+            alive = (datetime.datetime.now() - trial.datetime_start).total_seconds() < recent
+        return bool(alive)
 
     # ------------------------------------------------------------------ ask / tell
     def _ask(self) -> tuple[Trial, Point] | None:
@@ -229,15 +287,41 @@ class Tuner:
             trial = self.study.ask()
             point = self.space.suggest(trial)
             trial.set_user_attr("point", point)
+            trial.set_user_attr("driver", self.driver)
             key = point_key(point)
-            # samplers do not see running trials (TPE offers one promising point to every free slot)
-            if key in known.status or key in known.running:
+            # samplers do not see running trials (TPE offers one promising point to every free slot);
+            # another driver on the study may have just named the same point (_reserved)
+            if key in known.status or key in known.running or not self._reserved(trial.number, key):
                 duplicates += 1
                 values = known.values.get(key)  # none when it failed or still runs: nothing to learn again
                 constraint = None if values is None else 1.0 if known.status[key].infeasible else 0.0
                 self._tell(trial, point, TrialStatus.DUPLICATE, values, constraint)
                 continue
             return trial, point
+
+    def _reserved(self, number: int, key: str) -> bool:
+        """Whether trial ``number``, just named point ``key``, holds it: no trial asked before it
+        names the same point. Every trial names its point right after it is asked, so once each
+        earlier running trial has one (waiting up to RESERVATION_WAIT for another driver's) the
+        earliest-asked holder is known to every driver alike, and only it launches the point."""
+        from optuna.trial import TrialState
+
+        deadline = time.monotonic() + RESERVATION_WAIT
+        while True:
+            earlier = [t for t in self.study.get_trials(deepcopy=False) if t.number < number]
+            unnamed = [t for t in earlier if t.state == TrialState.RUNNING and "point" not in t.user_attrs]
+            if not unnamed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        for t in earlier:
+            point = t.user_attrs.get("point")
+            if point is None or point_key(point) != key:
+                continue
+            status = trial_status(t)
+            # a repeat or an interrupted trial (queued again) holds nothing
+            if t.state == TrialState.RUNNING or status not in (None, TrialStatus.DUPLICATE, TrialStatus.INTERRUPTED):
+                return False
+        return True
 
     def _infeasible_values(self) -> list[float]:
         return [0.0, float(self.config.memory_budget) * 4] if self.config.multi_objective else [0.0]
@@ -361,8 +445,13 @@ class Tuner:
         return self.summary(stop or "trials")
 
     def summary(self, stop: str) -> dict[str, Any]:
+        """The run's counts, and the best point of the whole study (other drivers' trials too)."""
+        from ._outputs import best_trial
+
         p = self.progress
+        best = best_trial(self.study)
         return {"stop": stop, "launched": p.launched, "pruned": p.pruned, "failed": p.failed,
-                "duplicates": p.duplicates, "best": p.best, "best_point": p.best_point,
+                "duplicates": p.duplicates, "best": best.values[0] if best else None,
+                "best_point": best.user_attrs["point"] if best else None,
                 "elapsed": time.monotonic() - p.started, "study": self.study.study_name,
                 "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}}

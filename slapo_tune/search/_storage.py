@@ -69,6 +69,10 @@ def repair_journal(path: Path) -> str | None:
             "removed; the trials before it are intact")
 
 
+# what a driver that lost the race to create a new database's tables sees (SQLite, PostgreSQL)
+_CREATION_RACES = ("already exists", "UNIQUE constraint failed", "duplicate key")
+
+
 def open_storage(url: str | None, out: Path):
     """An Optuna storage for ``url`` (None: ``OUT/study.journal``; ``memory``: nothing kept, for
     replays); UsageError if unusable."""
@@ -91,8 +95,14 @@ def open_storage(url: str | None, out: Path):
     if "://" not in url:
         raise UsageError(f"unreadable storage URL '{redact(url)}': expected sqlite:///PATH, postgresql://..., "
                          f"mysql://... or a .journal file")
-    try:
-        return optuna.storages.RDBStorage(url)
-    except Exception as exc:  # noqa: BLE001 - drivers raise many kinds; the user needs one line
-        reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
-        raise UsageError(f"cannot open storage {redact(url)}: {reason}") from None
+    for attempt in range(3):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except Exception as exc:  # noqa: BLE001 - drivers raise many kinds; the user needs one line
+            # drivers started together on a new database race to create its tables and stamp its
+            # schema version: the loser finds them made and opens it again
+            if any(race in str(exc) for race in _CREATION_RACES) and attempt < 2:
+                time.sleep(0.2)
+                continue
+            reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
+            raise UsageError(f"cannot open storage {redact(url)}: {reason}") from None

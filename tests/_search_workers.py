@@ -1,0 +1,35 @@
+"""Tuning drivers for the shared-study tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import time
+
+from runners.replay import ReplayRunner
+
+
+class LastingReplay(ReplayRunner):
+    """Replayed trials that take a moment, as real ones do (drivers on one study interleave)."""
+
+    def run(self, spec):
+        result = super().run(spec)
+        time.sleep(0.1)
+        return result
+
+
+def drive(storage: str, out: str, strategy: str, seed: int, trials: int, queue) -> None:
+    """One driver on the shared study: the points it launched, put on ``queue``."""
+    from pathlib import Path
+
+    from benchmarks.search_strategies import load_grid, replay_tuner
+
+    try:
+        results, budget = load_grid()
+        runner = LastingReplay(results)
+        tuner, _ = replay_tuner(strategy, seed, "analytic", results, budget, trials, runner=runner,
+                                storage=storage, out=Path(out), study="shared")
+        summary = tuner.run()
+        queue.put((runner.launched, summary["best"]))
+    except BaseException:  # the test shows why instead of waiting for a report that never comes
+        import traceback
+
+        queue.put(("failed", traceback.format_exc()))
