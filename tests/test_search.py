@@ -30,7 +30,7 @@ from slapo_tune.search import DEFAULT_STRATEGY, STRATEGIES, TuneConfig
 from slapo_tune.search._samplers import Guided, RandomSearch
 from slapo_tune.space import point_key
 
-SEEDS = range(8)
+SEEDS = range(4)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,11 @@ def test_the_cost_model_ranking_reaches_3_percent_within_20_percent_of_the_grid(
 
 
 def test_tpe_trials_to_3_percent_over_seeds(grid):
-    """The default sampler depends on its seed, so its claim is a distribution over seeds (a search
-    that misses counts as a miss, never dropped): over 8 seeds, every search reaches 3 % of the
-    optimum within three times the limit (20 % of the feasible points), and the censored median
-    within twice the limit. Seen over 20 seeds (benchmarks.search_strategies): median 25, p25 13,
-    p75 46 trials, 11 of 20 within the limit of 26: TPE alone does not meet the limit reliably."""
+    """TPE depends on its seed, so its claim is a distribution over seeds (a search that misses
+    counts as a miss, never dropped): over 4 seeds, every search reaches 3 % of the optimum within
+    three times the limit (20 % of the feasible points), and the censored median within twice the
+    limit. Seen over 20 seeds (benchmarks.search_strategies): median 23, p25 13, p75 43 trials:
+    TPE alone does not meet the limit reliably (the default, guided, needs 5)."""
     results, budget, optimum, limit = grid
     counts = [trials_to_within(search("tpe", seed, "analytic", results, budget, trials=3 * limit)[0], optimum)
               for seed in SEEDS]
