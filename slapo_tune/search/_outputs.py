@@ -45,6 +45,8 @@ def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
                "peak_reserved": max(result.get("peak_reserved") or [0]) or None,  # CUDA only
                "peak_rss": max(result.get("peak_rss") or [0]) or None,
                "predicted_peak": predicted.get("peak"), "predicted_step_s": predicted.get("step_s"),
+               # a pruned point's peak by the mode that pruned it (exact mode's, where analytic let it through)
+               "pruned_peak": predicted.get("pruned_peak"),
                "wait_fraction": result.get("wait_fraction"), "wall_s": result.get("wall_seconds"),
                "overhead_s": result.get("overhead_seconds"),
                "reason": t.user_attrs.get("reason") or result.get("error") or "",
