@@ -225,12 +225,17 @@ class Tuner:
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
-        self.study_user_attrs = study.user_attrs
+        recent = 2 * self.config.trial_time_limit + 60  # how long a trial of another host's driver may run
+        # another registered driver still runs: a trial not named yet (asked a moment ago) is its
+        other_live = any(name != self.driver and (driver_alive(name) or (driver_alive(name) is None
+                                                                         and time.time() - since < recent))
+                         for name, since in ((k.removeprefix("driver:"), v) for k, v in study.user_attrs.items()
+                                             if k.startswith("driver:")))
         retried = {t.user_attrs.get("retry_of") for t in trials}
         others = False
         for t in trials:
             point = t.user_attrs.get("point")
-            if t.state == TrialState.RUNNING and self._held_elsewhere(t):
+            if t.state == TrialState.RUNNING and self._held_elsewhere(t, other_live, recent):
                 others = True
                 continue
             if t.state == TrialState.RUNNING:
@@ -245,21 +250,16 @@ class Tuner:
         if others and hasattr(self.sampler, "reseed_rng"):
             self.sampler.reseed_rng()
 
-    def _held_elsewhere(self, trial) -> bool:
+    def _held_elsewhere(self, trial, other_live: bool, recent: float) -> bool:
         """A RUNNING ``trial`` another live driver runs (see :meth:`_recover`): its driver's
-        process exists (this host) or the trial started less than twice the trial time limit ago
-        (another host). A trial not named yet (asked a moment ago) is another's while any other
-        driver registered on the study is alive."""
+        process exists (this host) or the trial started less than ``recent`` seconds ago (another
+        host). A trial not named yet (asked a moment ago) is another's while ``other_live``: some
+        other driver registered on the study is alive."""
         import datetime
 
-        recent = 2 * self.config.trial_time_limit + 60
         driver = trial.user_attrs.get("driver")
         if driver is None:
-            registered = {k.removeprefix("driver:"): v for k, v in self.study_user_attrs.items()
-                          if k.startswith("driver:")}
-            return any(name != self.driver and (driver_alive(name) or (driver_alive(name) is None
-                                                                      and time.time() - since < recent))
-                       for name, since in registered.items())
+            return other_live
         if driver == self.driver:
             return False
         alive = driver_alive(driver)
