@@ -1,7 +1,7 @@
 """BERT masked LM: Q/K/V in BertSelfAttention, MLM decoder tied to the word embedding (and its bias).
 Fusion: Q/K/V into one projection."""
 
-from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
 
 BLOCKS = "bert.encoder.layer"

@@ -18,14 +18,14 @@ family before tuning: the plan is a heuristic, and verify is the check.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from slapo_tune._data_parallel import largest_module_list
-from slapo_tune._pipeline import _recorded_calls
 from slapo_tune.errors import ScheduleError
-from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
+
+if TYPE_CHECKING:  # the space needs no torch: what reads the model imports it
+    from torch import nn
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads",
                "num_kv_heads", "split_size", "all_head_size", "embed_dim", "hidden_size")
@@ -34,9 +34,12 @@ _MLP_NAMES = ("mlp", "ffn", "feed_forward", "feedforward")
 
 def _linear_order(model: nn.Module, prefix: str) -> list[str]:
     """Paths of the nn.Linear layers under ``prefix`` in the order the forward calls them."""
+    import torch
+    from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from slapo_tune._comm import communication_disabled
+    from slapo_tune._pipeline import _recorded_calls
 
     with _recorded_calls(model) as calls, communication_disabled(), torch.no_grad(), \
             FakeTensorMode(allow_non_fake_inputs=True):
@@ -56,6 +59,8 @@ class GenericDecoderTemplate(Template):
     families = ()
 
     def blocks_path(self, model: nn.Module) -> str:
+        from slapo_tune._data_parallel import largest_module_list
+
         found = largest_module_list(model)
         if found is None:
             raise ScheduleError(f"generic template: {type(model).__name__} has no repeated block list (nn.ModuleList)")

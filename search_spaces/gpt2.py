@@ -3,10 +3,7 @@ Fusion: the MLP's bias addition and GELU fused into one call (``decompose`` + pa
 
 from __future__ import annotations
 
-import torch
-
-from slapo_tune._graph import bias_then
-from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
 
 BLOCKS = "transformer.h"
@@ -38,6 +35,10 @@ class GPT2Template(Template):
         return True
 
     def fuse(self, sch, model) -> None:
+        import torch
+
+        from slapo_tune._graph import bias_then
+
         compiler = "inductor" if torch.cuda.is_available() else "eager"
         for block in self.block_nodes(sch):
             mlp = block["mlp"]

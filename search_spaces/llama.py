@@ -1,7 +1,7 @@
 """Llama-style decoders (also Mistral, Qwen2): separate Q/K/V, gated (SwiGLU) MLP, untied head.
 Fusion: Q/K/V into one projection, gate/up into one projection."""
 
-from slapo_tune.parallelize import Colwise, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.styles import Colwise, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
 
 BLOCKS = "model.layers"

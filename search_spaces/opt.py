@@ -1,7 +1,7 @@
 """OPT: Q/K/V and fc1/fc2 with biases, learned positions, LM head tied to the token embedding.
 Fusion: Q/K/V into one projection."""
 
-from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
 
 BLOCKS = "model.decoder.layers"

@@ -10,13 +10,9 @@ import os as _os
 _os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from ._build import build, materialize  # noqa: E402
-from ._graph import FusedLinear, Match, bias_then, fuse_linears  # noqa: E402
-from ._schedule import Schedule, create_schedule  # noqa: E402
-from ._sharding import Layout  # noqa: E402
-from ._verify import VerifyReport, reference_copy, verify  # noqa: E402
-from .apply import LoadedSchedule, apply_schedule, load_schedule  # noqa: E402
-from .errors import (  # noqa: E402
+from typing import TYPE_CHECKING
+
+from .errors import (
     MaterializeError,
     PatternError,
     PipelineError,
@@ -29,10 +25,47 @@ from .errors import (  # noqa: E402
     UsageError,
     VerificationError,
 )
-from .models import ModelSpec, build_model, config_fingerprint, load_config, preset_names  # noqa: E402
-from .plan import Plan, TrialStatus  # noqa: E402
-from .problem import Problem, ProblemSpec  # noqa: E402
-from .session import Session  # noqa: E402
+from .plan import Plan, TrialStatus
+
+# The rest of the public API is imported on first use (PEP 562): those modules import torch (2-3 s),
+# which commands that only plan (``plan``, ``space``, ``show``, every ``--help``) never need.
+_LAZY = {
+    "build": "_build", "materialize": "_build",
+    "FusedLinear": "_graph", "Match": "_graph", "bias_then": "_graph", "fuse_linears": "_graph",
+    "Schedule": "_schedule", "create_schedule": "_schedule",
+    "Layout": "_sharding",
+    "VerifyReport": "_verify", "reference_copy": "_verify", "verify": "_verify",
+    "LoadedSchedule": "apply", "apply_schedule": "apply", "load_schedule": "apply",
+    "ModelSpec": "models", "build_model": "models", "config_fingerprint": "models", "load_config": "models",
+    "preset_names": "models",
+    "Problem": "problem", "ProblemSpec": "problem",
+    "Session": "session",
+}
+
+if TYPE_CHECKING:
+    from ._build import build, materialize
+    from ._graph import FusedLinear, Match, bias_then, fuse_linears
+    from ._schedule import Schedule, create_schedule
+    from ._sharding import Layout
+    from ._verify import VerifyReport, reference_copy, verify
+    from .apply import LoadedSchedule, apply_schedule, load_schedule
+    from .models import ModelSpec, build_model, config_fingerprint, load_config, preset_names
+    from .problem import Problem, ProblemSpec
+    from .session import Session
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # once: later lookups are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __version__ = "0.1.0"
 

@@ -38,9 +38,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ._comm import group_size
+from ._partition import GRADIENT_BUCKET_BYTES as _BUCKET_BYTES
 
 ZERO_STAGES = (0, 1, 2, 3)
-_BUCKET_BYTES = 32 * 2**20
 
 
 def average_gradients(params: Iterable[torch.Tensor], group: ProcessGroup | None) -> None:

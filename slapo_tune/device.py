@@ -149,6 +149,24 @@ class DeviceSetup:
         return f"cuda:{local_rank}"
 
 
+# Where a GPU driver shows on Linux (NVIDIA, AMD's ROCm, WSL's GPU paravirtualisation): without
+# one of them torch cannot see a GPU, so a command that only plans need not import torch (2-3 s) to
+# ask it
+_GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, without importing torch on a Linux machine with no GPU driver
+    (once torch is imported, it is asked: tests mock it)."""
+    import sys
+
+    if "torch" not in sys.modules and sys.platform == "linux" and not any(map(os.path.exists, _GPU_DRIVER_PATHS)):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def device_setup(requested: str | None = None, *, here: bool = True) -> DeviceSetup:
     """Where ranks run: ``requested`` is ``cpu``, ``cuda``, or None / ``auto`` (``cuda`` when
     ``torch.cuda.is_available()``, else ``cpu``).
@@ -158,21 +176,21 @@ def device_setup(requested: str | None = None, *, here: bool = True) -> DeviceSe
     a cluster) ``cuda`` is taken as asked, with this machine's GPUs as the description when it has
     any. Anything else (a hardware preset such as ``a100-80gb``) is a :class:`UsageError` pointing
     to ``--hardware``."""
-    import torch
-
     kind = requested or "auto"
     if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        kind = "cuda" if cuda_available() else "cpu"
     if kind not in KINDS:
         raise UsageError(f"unknown device '{kind}': --device is where ranks run (cpu or cuda); "
                          f"a cost-model hardware preset goes to --hardware")
     if kind == "cpu":
         return DeviceSetup("cpu", "gloo", len(usable_cores()))
-    if not torch.cuda.is_available():
+    if not cuda_available():
         if here:
             raise UsageError("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                              "use --device cpu")
         return DeviceSetup("cuda", "nccl", 0)
+    import torch
+
     count = torch.cuda.device_count()
     ids = visible_gpu_ids(count)
     gpus = []

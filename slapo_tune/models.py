@@ -13,12 +13,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where a model is built: planning needs none
+    import torch
+    from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -171,6 +172,7 @@ def model_family(config) -> str:
 
 def model_from_config(config, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> nn.Module:
     """Instantiate the task model for ``config`` on ``device`` (weights random on a real device)."""
+    import torch
     import transformers
 
     mt = getattr(config, "model_type", "")

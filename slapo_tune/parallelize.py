@@ -11,7 +11,6 @@ Plan keys are paths relative to the node the plan is applied to; ``*`` matches o
 
 from __future__ import annotations
 
-import math
 import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -22,50 +21,16 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _comm
+from ._partition import (  # noqa: F401  (re-exported)
+    checkpointed_indices,
+    interleaved_microbatches_ok,
+    stage_boundaries,
+)
 from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
 from ._schedule import Schedule, state_of
 from ._sharding import rule_for
 from .errors import ScheduleError
-
-
-@dataclass(frozen=True)
-class Colwise:
-    """Shard the output features (weight and bias). The input gradient is partial, so it is
-    all-reduced in backward; set ``reduce_input_grad=False`` when a parent reduces it once for
-    several projections of the same input (Q, K and V). ``gather_output`` all-gathers the
-    partitioned output (an LM head)."""
-
-    num_fused: int = 1
-    gather_output: bool = False
-    reduce_input_grad: bool = True
-
-
-@dataclass(frozen=True)
-class ReduceInputGrad:
-    """All-reduce the gradient of a module's input once, for all column-parallel layers inside it."""
-
-
-@dataclass(frozen=True)
-class Rowwise:
-    """Shard the input features; the partial output is all-reduced, then the bias is added."""
-
-
-@dataclass(frozen=True)
-class VocabParallel:
-    """Shard an embedding's vocabulary; the masked partial lookups are all-reduced."""
-
-
-@dataclass(frozen=True)
-class DivideAttr:
-    """Divide plain attributes (head counts, split sizes) by the tensor-parallel size."""
-
-    names: tuple[str, ...]
-
-    def __init__(self, *names: str):
-        object.__setattr__(self, "names", names)
-
-
-Style = Colwise | Rowwise | VocabParallel | DivideAttr | ReduceInputGrad
+from .styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, Style, VocabParallel  # noqa: F401  (re-exported)
 
 
 def glob_to_regex(pattern: str) -> str:
@@ -155,25 +120,6 @@ def apply_tensor_parallel(sch: Schedule, plan: Mapping[str, Style | Sequence[Sty
         for node in select(sch, pattern):
             for style in styles:
                 _apply_style(node, style, sequence_parallel)
-
-
-def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform") -> list[int]:
-    """Which of ``num_layers`` blocks to checkpoint for a ``ratio`` in [0, 1].
-
-    ``round(ratio * num_layers)`` blocks are chosen. ``"first"`` takes the first k (they hold
-    activations longest under pipelining); ``"uniform"`` spreads them evenly, so every pipeline
-    stage saves about the same memory.
-    """
-    if not 0.0 <= ratio <= 1.0:
-        raise ScheduleError(f"checkpoint ratio must be in [0, 1], got {ratio}")
-    k = int(math.floor(ratio * num_layers + 0.5))
-    if policy == "first":
-        return list(range(k))
-    if policy != "uniform":
-        raise ScheduleError(f"checkpoint policy must be 'uniform' or 'first', got {policy!r}")
-    if k == 0:
-        return []
-    return sorted({int(i * num_layers / k) for i in range(k)})
 
 
 # ------------------------------------------------------------------ sequence parallelism
@@ -364,25 +310,6 @@ def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, spread: str = 
     for i in chosen:
         blocks[i].checkpoint(policy)
     return chosen
-
-
-def stage_boundaries(num_layers: int, pp: int) -> list[int]:
-    """Indices of the blocks after which to cut ``pp`` stages of (nearly) equal block counts
-    (earlier stages take the remainder)."""
-    if pp < 1 or pp > num_layers:
-        raise ScheduleError(f"cannot cut {num_layers} blocks into {pp} pipeline stages")
-    base, extra = divmod(num_layers, pp)
-    cuts, end = [], 0
-    for s in range(pp - 1):
-        end += base + (1 if s < extra else 0)
-        cuts.append(end - 1)
-    return cuts
-
-
-def interleaved_microbatches_ok(n_microbatches: int, pp: int) -> bool:
-    """Whether torch's interleaved 1F1B runs ``n_microbatches`` over ``pp`` ranks: at least one per
-    rank, in whole rounds (``max(1, n // pp)`` rounds of equal size)."""
-    return n_microbatches >= pp and n_microbatches % max(1, n_microbatches // pp) == 0
 
 
 def apply_pipeline_cuts(blocks: Sequence[Schedule], pp: int) -> list[int]:

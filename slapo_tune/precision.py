@@ -25,13 +25,18 @@ does not run.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .errors import ScheduleError
+
+if TYPE_CHECKING:  # the modes are plain data (plan reads their sizes); torch only where they run
+    import torch
+
+    from ._master_weights import MasterWeights  # noqa: F401  (re-exported below)
+
+# bytes per element of the dtypes the modes name (as torch names them)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -39,25 +44,38 @@ class Precision:
     """How one precision mode stores and computes (see the module docstring)."""
 
     name: str
-    param_dtype: torch.dtype  # the parameters the model computes with
-    autocast: torch.dtype | None = None  # autocast's compute dtype over ``param_dtype`` parameters
-    master: bool = False  # fp32 master weights (and fp32 gradients) beside ``param_dtype`` parameters
+    param_type: str  # the parameters the model computes with (a torch dtype's name)
+    autocast_type: str | None = None  # autocast's compute dtype over ``param_type`` parameters
+    master: bool = False  # fp32 master weights (and fp32 gradients) beside ``param_type`` parameters
     doc: str = ""
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.param_type)
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        import torch
+
+        return None if self.autocast_type is None else getattr(torch, self.autocast_type)
 
     @property
     def activation_bytes(self) -> int:
         """Bytes per element of what forward keeps for backward (matrix-product outputs)."""
-        return torch.finfo(self.autocast or self.param_dtype).bits // 8
+        return _DTYPE_BYTES[self.autocast_type or self.param_type]
 
     @property
     def param_bytes(self) -> int:
         """Bytes per element of the parameters the model computes with."""
-        return torch.finfo(self.param_dtype).bits // 8
+        return _DTYPE_BYTES[self.param_type]
 
     def mixed_precision_policy(self):
         """FSDP2's policy for this precision (None: FSDP2's default, parameters as they are)."""
         if not self.master:
             return None
+        import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
@@ -65,10 +83,10 @@ class Precision:
 
 PRECISIONS: dict[str, Precision] = {
     p.name: p for p in (
-        Precision("fp32", torch.float32, doc="fp32 parameters, activations, gradients and optimizer state"),
-        Precision("amp-bf16", torch.float32, autocast=torch.bfloat16,
+        Precision("fp32", "float32", doc="fp32 parameters, activations, gradients and optimizer state"),
+        Precision("amp-bf16", "float32", autocast_type="bfloat16",
                   doc="autocast to bf16 over fp32 parameters, gradients and optimizer state"),
-        Precision("bf16", torch.bfloat16, master=True,
+        Precision("bf16", "bfloat16", master=True,
                   doc="bf16 parameters and activations; fp32 master weights, optimizer state and gradient "
                       "reduction"),
     )
@@ -92,51 +110,9 @@ def default_precision(device_type: str) -> str:
     return DEFAULT_GPU if device_type == "cuda" else DEFAULT_CPU
 
 
-class MasterWeights:
-    """fp32 master copies of replicated bf16 parameters, with fp32 gradients.
+def __getattr__(name: str):
+    if name != "MasterWeights":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ._master_weights import MasterWeights  # noqa: F401  (re-exported below)
 
-    Made from the fp32 model, before it computes: each parameter is cast to ``dtype`` in place (the
-    module keeps the same ``Parameter`` object, so tied parameters stay tied) and its fp32 value
-    becomes the master. A hook adds every gradient backward writes into the master's fp32 gradient
-    and frees the low-precision one, so gradients accumulate over micro-batches in fp32 and only one
-    low-precision gradient exists at a time. The optimizer steps the masters; :meth:`publish`
-    copies them back into the model.
-    """
-
-    def __init__(self, params: Iterable[nn.Parameter], dtype: torch.dtype = torch.bfloat16):
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        self._master_of: dict[int, nn.Parameter] = {}
-        for p in params:
-            if not p.requires_grad or id(p) in self._master_of:
-                continue
-            master = nn.Parameter(p.detach().float().clone())
-            p.data = p.data.to(dtype)
-            p.register_post_accumulate_grad_hook(self._accumulate)
-            self._pairs.append((p, master))
-            self._master_of[id(p)] = master
-
-    def _accumulate(self, param: torch.Tensor) -> None:
-        master = self._master_of[id(param)]
-        if master.grad is None:
-            master.grad = param.grad.float()
-        else:
-            master.grad.add_(param.grad)
-        param.grad = None
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The fp32 masters (what the optimizer steps), in the model's parameter order."""
-        return (master for _, master in self._pairs)
-
-    def master(self, param: torch.Tensor) -> nn.Parameter:
-        """The master copy of a model parameter."""
-        return self._master_of[id(param)]
-
-    def zero_grad(self) -> None:
-        for _, master in self._pairs:
-            master.grad = None
-
-    @torch.no_grad()
-    def publish(self) -> None:
-        """Copy the masters into the model's parameters (after an optimizer step or a restore)."""
-        for p, master in self._pairs:
-            p.copy_(master)
+    return MasterWeights

@@ -95,7 +95,7 @@ class TrainStep:
             raise ScheduleError("the zero-bubble schedule runs backward twice over a block (input, then weight "
                                 "gradients), which selective recomputation allows once; use ckpt_policy full")
         if len(model.chunks) > 1:
-            from .parallelize import interleaved_microbatches_ok
+            from ._partition import interleaved_microbatches_ok
 
             if schedule == "gpipe":
                 raise ScheduleError(f"an interleaved pipeline ({len(model.chunks)} stages per rank) runs interleaved "

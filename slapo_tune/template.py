@@ -21,23 +21,17 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from ._graph import fuse_linears
-from ._schedule import Schedule, create_schedule
+from ._partition import interleaved_microbatches_ok
 from .errors import ScheduleError
-from .parallelize import (
-    apply_checkpointing,
-    apply_pipeline_cuts,
-    apply_sequence_parallel,
-    apply_tensor_parallel,
-    glob_to_regex,
-    interleaved_microbatches_ok,
-)
 from .plan import Workload, accumulation, knob_value
 from .space import Knob, Point, Space, divisors
+
+if TYPE_CHECKING:  # a template's space needs no torch (plan); applying a point imports it
+    from torch import nn
+
+    from ._schedule import Schedule
 
 CKPT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 CKPT_SPREAD = "uniform"
@@ -121,6 +115,9 @@ class Template:
 
     def fuse(self, sch: Schedule, model: nn.Module) -> None:
         """Fuse sibling projections horizontally (``fuse=on``)."""
+        from ._graph import fuse_linears
+        from .parallelize import glob_to_regex
+
         for parent, (names, fused_name) in self.fusion_groups.items():
             for node in sch.find(glob_to_regex(parent)):
                 node.replace(fuse_linears, target=[node[n] for n in names], name=fused_name)
@@ -198,6 +195,13 @@ class Template:
     # ------------------------------------------------------- applying points
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
+        from .parallelize import (
+            apply_checkpointing,
+            apply_pipeline_cuts,
+            apply_sequence_parallel,
+            apply_tensor_parallel,
+        )
+
         model = sch.mod
         set_attention(model, point["attn"])
         fused = point["fuse"] == "on"
@@ -219,6 +223,8 @@ class Template:
 
     def schedule(self, model: nn.Module, point: Mapping[str, Any], topology=None) -> Schedule:
         """A schedule of ``model`` for ``point`` over ``topology``'s tensor-parallel group."""
+        from ._schedule import create_schedule
+
         sch = create_schedule(model, group=None if topology is None else topology.tp_group)
         self.apply(sch, point)
         return sch

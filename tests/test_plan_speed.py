@@ -204,18 +204,21 @@ def test_plan_with_nothing_fitting_names_the_smallest_peak(capsys):
             in err)
 
 
-def test_plan_does_not_load_the_measuring_stack():
-    """``plan`` measures nothing: torch's MemTracker (with the distributed tools, inductor and dynamo
-    it imports, seconds of start-up) is loaded only by what measures, and then it works."""
+def test_plan_does_not_load_torch():
+    """``plan`` of a preset measures and builds nothing: neither torch nor transformers (2-3 s of
+    start-up, most of a one-point plan's time) is imported, on a machine with no GPU driver; what
+    measures loads them, and then it works."""
     import subprocess
     import sys
 
     script = (
         "import sys, contextlib, io\n"
+        "from slapo_tune import device\n"
         "from slapo_tune.cli import main\n"
+        "device._GPU_DRIVER_PATHS = ('/nonexistent/nvidiactl',)  # as on a machine without a GPU driver\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['plan', '--model', 'llama-7b', '--world-size', '8', '--memory-budget', '80GiB', '--knobs', 'tp=8'])\n"
-        "heavy = ('torch._dynamo', 'torch._inductor', 'torch.distributed._tools.mem_tracker')\n"
+        "heavy = ('torch', 'transformers', 'torch._dynamo', 'torch.distributed._tools.mem_tracker')\n"
         "print([m for m in heavy if m in sys.modules])\n"
         "import torch\n"
         "from slapo_tune.memory import StepMemTracker\n"

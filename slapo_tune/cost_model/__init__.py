@@ -11,13 +11,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..plan import knob_value
 from ..problem import Problem
 from ..units import format_size
 from . import calibration as _calibration
-from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
 from .analytic import (
     DEFAULT_WEIGHTS,
     BlockActivations,
@@ -43,6 +42,20 @@ from .analytic import (
 )
 from .calibration import Calibration
 from .hardware import PRESETS, Hardware, detect_hardware, hardware, hardware_for
+
+if TYPE_CHECKING:
+    from ._tracker import MemoryBreakdown, PeakTracker, tracked_step
+
+# exact mode's tracker imports torch: loaded on first use, so analytic planning runs without it
+_TRACKER = ("MemoryBreakdown", "PeakTracker", "tracked_step")
+
+
+def __getattr__(name: str):
+    if name not in _TRACKER:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import _tracker
+
+    return getattr(_tracker, name)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._atomic import atomic_write_text
+from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from ..plan import Workload, accumulation, knob_value
 from ..template import Template
 from .hardware import Hardware, _cache_dir
@@ -608,7 +609,6 @@ def activation_probe(config, template: Template | None = None, fusion: bool = Fa
             token_bytes[prec], score_bytes[prec] = tokens, scores
     return token_bytes, score_bytes, fallbacks
 
-from .._data_parallel import _BUCKET_BYTES as DP_BUCKET_BYTES  # noqa: E402
 
 # Bytes per parameter of the model states (slapo_tune.precision). Gradients are fp32 at every
 # precision: fp32 parameters' own, bf16's master gradients, or FSDP's reduce dtype (fp32).
@@ -700,7 +700,7 @@ def rank_blocks(total_layers: int, pp: int, rank: int, vpp: int = 1) -> list[int
 @functools.lru_cache(maxsize=4096)
 def checkpointed_per_chunk(ratio: float, total_layers: int, pp: int, rank: int, vpp: int = 1) -> tuple[int, ...]:
     """How many blocks of each of ``rank``'s ``vpp`` chunks are checkpointed (uniform spreading)."""
-    from ..parallelize import checkpointed_indices
+    from .._partition import checkpointed_indices
 
     chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
     blocks = rank_blocks(total_layers, pp, rank, vpp)
@@ -904,7 +904,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     # amp-bf16: autocast's bf16 copies of the weights matrix products use. Replicated, its cache
     # keeps one per weight for the whole step; under FSDP (cache off) each micro-batch in flight
     # saves its own for backward, as an activation
-    copy_bytes = B if mode.autocast is not None else 0
+    copy_bytes = B if mode.autocast_type is not None else 0
     head_matrix = (layout.pre_sharded if layout.tied_head else layout.post_sharded) / tp
     # the largest weight gradient a block's backward makes at once (an MLP matrix), alive beside
     # what is accumulated before it is added in (the same for every attention kernel and fusion:
@@ -1375,7 +1375,7 @@ def _stage_ckpt_list(ratio: float, total_layers: int, pp: int, stage: int, vpp: 
 @functools.lru_cache(maxsize=4096)
 def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int, vpp: int = 1) -> frozenset[int]:
     """The local indices (in :func:`rank_blocks` order) of the checkpointed blocks of a rank."""
-    from ..parallelize import checkpointed_indices
+    from .._partition import checkpointed_indices
 
     chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
     return frozenset(j for j, i in enumerate(rank_blocks(total_layers, pp, stage, vpp)) if i in chosen)

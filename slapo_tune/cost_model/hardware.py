@@ -14,8 +14,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..errors import UsageError
 
 if TYPE_CHECKING:
@@ -106,6 +104,8 @@ GEMM_TOKENS = (64, 128, 256, 512, 1024, 2048)  # rows of the measured GEMMs (tok
 def _gemm_curve(threads: int, size: int = 512, repeats: int = 5) -> tuple[float, float]:
     """(full rate, half-rate tokens) on ``threads`` threads: ``tokens x size @ size x size`` GEMMs
     at several token counts, fitted to ``rate(T) = R * T / (T + T_half)`` (linear in 1 / T)."""
+    import torch  # measuring only: a preset's figures need no torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -130,6 +130,8 @@ def _gemm_curve(threads: int, size: int = 512, repeats: int = 5) -> tuple[float,
 
 def _stream_bandwidth(megabytes: int = 64, repeats: int = 5) -> float:
     """Bytes/s of one thread accumulating one tensor into another (a gradient accumulation)."""
+    import torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -141,6 +143,7 @@ def _stream_bandwidth(megabytes: int = 64, repeats: int = 5) -> float:
 
 
 def _collective_rank(ctx, sizes):
+    import torch
     import torch.distributed as dist
 
     out = []

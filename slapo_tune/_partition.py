@@ -1,0 +1,57 @@
+"""How a schedule partitions a model and its batch: which blocks are checkpointed, where the
+pipeline cuts fall, which micro-batch counts torch's interleaved schedule runs, and the gradient
+buckets of replicated data parallelism.
+
+Plain arithmetic without torch, shared by the runtime (:mod:`slapo_tune.parallelize`,
+:mod:`slapo_tune._data_parallel`, which re-export it), the templates' spaces and the cost model,
+so that planning never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import ScheduleError
+
+
+def interleaved_microbatches_ok(n_microbatches: int, pp: int) -> bool:
+    """Whether torch's interleaved 1F1B runs ``n_microbatches`` over ``pp`` ranks: at least one per
+    rank, in whole rounds (``max(1, n // pp)`` rounds of equal size)."""
+    return n_microbatches >= pp and n_microbatches % max(1, n_microbatches // pp) == 0
+
+
+def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform") -> list[int]:
+    """Which of ``num_layers`` blocks to checkpoint for a ``ratio`` in [0, 1].
+
+    ``round(ratio * num_layers)`` blocks are chosen. ``"first"`` takes the first k (they hold
+    activations longest under pipelining); ``"uniform"`` spreads them evenly, so every pipeline
+    stage saves about the same memory.
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ScheduleError(f"checkpoint ratio must be in [0, 1], got {ratio}")
+    k = int(math.floor(ratio * num_layers + 0.5))
+    if policy == "first":
+        return list(range(k))
+    if policy != "uniform":
+        raise ScheduleError(f"checkpoint policy must be 'uniform' or 'first', got {policy!r}")
+    if k == 0:
+        return []
+    return sorted({int(i * num_layers / k) for i in range(k)})
+
+
+# Replicated data parallelism (ZeRO level 0) averages the gradients through flat buckets of this
+# many bytes (or one larger gradient): the runtime's buckets and the cost model's dp_buckets term
+GRADIENT_BUCKET_BYTES = 32 * 2**20
+
+
+def stage_boundaries(num_layers: int, pp: int) -> list[int]:
+    """Indices of the blocks after which to cut ``pp`` stages of (nearly) equal block counts
+    (earlier stages take the remainder)."""
+    if pp < 1 or pp > num_layers:
+        raise ScheduleError(f"cannot cut {num_layers} blocks into {pp} pipeline stages")
+    base, extra = divmod(num_layers, pp)
+    cuts, end = [], 0
+    for s in range(pp - 1):
+        end += base + (1 if s < extra else 0)
+        cuts.append(end - 1)
+    return cuts
