@@ -66,6 +66,22 @@ def test_a_real_process_exits_2_without_traceback():
         "slapo-tune: error: pp=3 is not legal for this model and world with tp=1; legal values: 1, 2, 4"]
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """``slapo-tune plan ... | head``: once the reader has gone, the command stops without a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "plan", "--model", "llama-7b", "--world-size", "4",
+                             "--seq-len", "128", "--global-batch", "32", "--memory-budget", "80GiB", "--top", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("llama-7b on 4 x ")
+        proc.stdout.close()  # megabytes of rows are still to come
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_verify_command_passes_and_prints_differences(capsys):
     code, out, _ = _run(capsys, "verify", "--model", "llama-tiny", "--world-size", "2",
                         "--knobs", "tp=2,ckpt_ratio=0.5,fuse=on", "--seq-len", "16")

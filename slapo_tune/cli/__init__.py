@@ -54,3 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("slapo-tune: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``slapo-tune plan ... | head``): stop quietly, as a shell tool does;
+        # stdout is pointed at /dev/null so the interpreter's final flush cannot fail again
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
