@@ -87,3 +87,43 @@ def test_verify_command_passes_and_prints_differences(capsys):
                         "--knobs", "tp=2,ckpt_ratio=0.5,fuse=on", "--seq-len", "16")
     assert code == 0, out
     assert "rank 1 (stage 0): loss" in out and "max relative error" in out and out.endswith("verify: OK\n")
+
+
+def test_every_option_says_what_it_does_and_its_default():
+    """``--help`` of every command: each option has a help line, and each default that is not
+    "nothing" (None, off) is shown in it."""
+    import argparse
+
+    from slapo_tune.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for name, parser in commands.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = action.help or ""
+            where = f"{name} {(action.option_strings or [action.dest])[0]}"
+            if not text.strip():
+                missing.append(f"{where}: no help")
+            elif action.default not in (None, False, argparse.SUPPRESS) and "default" not in text:
+                missing.append(f"{where}: default {action.default!r} not shown")
+    assert not missing, missing
+
+
+def test_version_is_the_package_version(capsys):
+    import slapo_tune
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"slapo-tune {slapo_tune.__version__}"
+
+
+def test_demo_runs_another_template_and_refuses_a_world_it_cannot_split(capsys):
+    code, out, _ = _run(capsys, "demo", "--model", "llama-tiny", "--world-size", "2")
+    assert code == 0 and "(llama template)" in out and "verify: OK" in out, out
+    code, out, err = _run(capsys, "demo", "--model", "llama-tiny", "--world-size", "3")
+    assert code == 2 and not out
+    assert len(err.splitlines()) == 1 and err.startswith("slapo-tune: error: no legal schedule for llama-tiny on 3 ranks")
+    assert "tp must divide 8 heads, 4 KV heads" in err, err

@@ -25,7 +25,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
+    from .. import __version__
+
     parser = _Parser(prog="slapo-tune", description="Autotune large-model training schedules.")
+    parser.add_argument("--version", action="version", version=f"slapo-tune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         command = importlib.import_module(f"{__name__}.{name}")

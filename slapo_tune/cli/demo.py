@@ -1,4 +1,4 @@
-"""``slapo-tune demo``: schedule a small GPT-2 with tensor parallelism on CPU ranks and verify it."""
+"""``slapo-tune demo``: schedule a small model with tensor parallelism on CPU ranks and verify it."""
 
 from __future__ import annotations
 
@@ -6,19 +6,24 @@ import argparse
 
 from ._common import positive_int
 
-HELP = "schedule a small GPT-2 with tensor parallelism on CPU ranks and verify it"
+HELP = "schedule a small model with tensor parallelism on CPU ranks and verify it against the unscheduled one"
+BATCH, SEQ = 4, 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt2-tiny")
-    p.add_argument("--world-size", type=positive_int, default=2)
+    p.add_argument("--model", default="gpt2-tiny",
+                   help="preset or config.json of any template's family, e.g. gpt2-tiny, llama-tiny, bert-tiny, "
+                        "opt-tiny (default: %(default)s)")
+    p.add_argument("--world-size", type=positive_int, default=2,
+                   help="CPU ranks, the tensor-parallel degree: it must divide the heads, vocabulary and MLP "
+                        "width (default: %(default)s)")
 
 
-def demo_rank(ctx, preset: str, family: str, batch: int, seq: int) -> str:
-    """The README's 20-line example, as one rank runs it."""
-    import importlib
-
+def demo_rank(ctx, preset: str, batch: int, seq: int) -> str:
+    """The README's 20-line example, as one rank runs it, with the plan of the model's template."""
     import torch
+
+    from search_spaces import template_for
 
     from .._build import build
     from .._schedule import create_schedule
@@ -26,12 +31,11 @@ def demo_rank(ctx, preset: str, family: str, batch: int, seq: int) -> str:
     from ..models import build_model
     from ..parallelize import apply_checkpointing, apply_tensor_parallel
 
-    template = importlib.import_module(f"search_spaces.{family}")
     reference = build_model(preset)
+    template = template_for(reference.config)
     sch = create_schedule(build_model(preset))
-    apply_tensor_parallel(sch, template.TP_PLAN)
-    blocks = sch[template.BLOCKS]
-    apply_checkpointing([blocks[name] for name in blocks.child], 0.5)
+    apply_tensor_parallel(sch, template.plan(sch.mod))
+    apply_checkpointing(template.block_nodes(sch), 0.5)
     model = build(sch, seed=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, reference.config.vocab_size, (batch, seq), generator=g)
@@ -42,13 +46,18 @@ def demo_rank(ctx, preset: str, family: str, batch: int, seq: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..device import device_setup
     from ..launch import launch
+    from ..problem import ProblemSpec
     from . import EXIT_FAILED, EXIT_OK
 
-    print(f"Scheduling {args.model} with tensor parallelism over {args.world_size} CPU ranks "
-          "(vocab-parallel embedding, attention, MLP, LM head) and checkpointing half of the blocks;")
+    # the world size is the tensor-parallel degree: one line naming the legal ones where it is not
+    problem = ProblemSpec(args.model, args.world_size, global_batch=BATCH, seq_len=SEQ).resolve()
+    problem.plan(f"tp={args.world_size}")
+    print(f"Scheduling {args.model} ({problem.template.name} template) with tensor parallelism over "
+          f"{args.world_size} CPU ranks (vocab-parallel embedding, attention, MLP, LM head) and checkpointing "
+          "half of the blocks;")
     print("verifying loss, module outputs and every gradient against the unscheduled model...")
     # CPU ranks even where GPUs are present: the demo's model is built on the CPU
-    reports = launch(demo_rank, args.world_size, args=(args.model, "gpt2", 4, 64), timeout=300,
+    reports = launch(demo_rank, args.world_size, args=(args.model, BATCH, SEQ), timeout=300,
                      backend=device_setup("cpu").backend)
     print(reports[0])
     return EXIT_OK if reports[0].startswith("verify: OK") else EXIT_FAILED

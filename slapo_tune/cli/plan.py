@@ -32,12 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p, "where the planned ranks would run: cuda (default; no GPU needed here) or cpu")
     add_hardware_argument(p, f"on cuda the GPU visible here, else {CLUSTER_HARDWARE}; on cpu this machine")
     add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
-    p.add_argument("--knobs", default="", help="evaluate one point (others: first legal value)")
+    p.add_argument("--knobs", default="", help="evaluate one point, e.g. tp=8,pp=4 (others: first legal value; default: every point)")
     p.add_argument("--mode", choices=("analytic", "exact"), default="analytic",
                    help="analytic: closed-form memory for every point; exact: also re-check the shown points' "
                    "memory with a fake step per pipeline stage (seconds each) (default: %(default)s)")
-    p.add_argument("--top", type=positive_int, default=5)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--top", type=positive_int, default=5, help="points shown, best first (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
 
 class _Found:

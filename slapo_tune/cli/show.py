@@ -9,7 +9,7 @@ HELP = "print a results folder's trials table and best point"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder")
+    p.add_argument("folder", help="a study's output folder (tune --out), holding trials.csv")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ HELP = "list the knobs of a model's search space and count its legal points"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p)
     p.add_argument("--domains", action="store_true", help="list every knob's legal values (enumerates the space)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:

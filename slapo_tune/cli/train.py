@@ -17,16 +17,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="expected number of ranks (must equal the schedule's)")
     p.add_argument("--data", default="synthetic", help="synthetic (default), a text file or a .npy of token ids")
-    p.add_argument("--steps", type=positive_int, default=30)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     p.add_argument("--save", default=None, help="checkpoint folder (written at the end and every --save-every)")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default: %(default)s)")
     p.add_argument("--resume", default=None, help="continue from the latest checkpoint in this folder")
     p.add_argument("--init-from", default=None, help="initial weights from a Hugging Face checkpoint folder")
-    p.add_argument("--log-every", type=positive_int, default=1)
-    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the ranks are killed")
+    p.add_argument("--log-every", type=positive_int, default=1, help="steps between log lines (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the ranks are killed (default: %(default)s)")
     add_device_argument(p)
 
 

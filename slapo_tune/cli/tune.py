@@ -39,17 +39,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--knobs", default="",
                    help="hold knobs at values, e.g. tp=8,zero=3: the search explores the others (default: none)")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
-    p.add_argument("--objective", default="throughput", choices=["throughput", "throughput,memory"])
+    p.add_argument("--objective", default="throughput", choices=["throughput", "throughput,memory"], metavar="OBJECTIVE",
+                   help="throughput (samples/s), or throughput,memory (also the peak memory: a Pareto front) "
+                        "(default: %(default)s)")
     p.add_argument("--prune", default="exact", choices=["exact", "analytic", "none"],
                    help="cost-model pruning before launch (default: %(default)s)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: a journal file in --out)")
     p.add_argument("--study", default=None, help="study name (default: the --out folder's name)")
     p.add_argument("--ray-address", default="local",
-                   help="local (start a Ray head), none (local processes, no Ray), or ADDRESS of a running cluster")
+                   help="local (start a Ray head), none (local processes, no Ray), or ADDRESS of a running cluster "
+                        "(default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=None, help="trials in flight (default: what the cluster holds)")
-    p.add_argument("--measured-steps", type=int, default=3)
+    p.add_argument("--measured-steps", type=positive_int, default=3,
+                   help="timed steps of each trial, after its warm-up step (default: %(default)s)")
     p.add_argument("--trial-timeout", default="5m", help="wall-clock limit of one trial (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the search's seed (default: %(default)s)")
     p.add_argument("--out", default=None, help="output folder (default: results/<model>-w<world>)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quiet", action="store_true", help="only the final summary")
