@@ -127,3 +127,48 @@ def test_demo_runs_another_template_and_refuses_a_world_it_cannot_split(capsys):
     assert code == 2 and not out
     assert len(err.splitlines()) == 1 and err.startswith("slapo-tune: error: no legal schedule for llama-tiny on 3 ranks")
     assert "tp must divide 8 heads, 4 KV heads" in err, err
+
+
+def test_show_fits_100_columns_marks_the_best_and_names_units(tmp_path, capsys):
+    """A study's folder as the tuner writes it (trials.csv, best_schedule.json): ``show`` prints one
+    line per trial within 100 columns, the varying knobs only ("-" where a knob does nothing), sizes
+    with units against the budget, the best row marked; ``--csv`` is the table itself."""
+    import csv as csv_module
+
+    import optuna
+
+    from slapo_tune.search._outputs import Outputs
+
+    problem = ProblemSpec("gpt2-tiny", 2, global_batch=8, seq_len=32, memory_budget=16 * 2**20).resolve()
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("context", {"memory_budget": 16 * 2**20})
+    reason = "predicted peak 44.0 MiB (at least 40.0 MiB) on stage 0 > budget 16.0 MiB, and more words " * 2
+    for knobs, rate, peak in (("tp=1,micro_batch=1", 50.0, 9 * 2**20), ("tp=2,sp=on,micro_batch=2", 80.0, 12 * 2**20),
+                              ("pp=2,micro_batch=4,ckpt_ratio=0.5", None, 44 * 2**20)):
+        point = dict(problem.plan(knobs))
+        attrs = {"point": point, "status": "ok" if rate else "pruned", "predicted": {"peak": peak, "step_s": 0.1}}
+        if rate:
+            attrs["result"] = {"samples_per_s": rate, "peak_memory": [peak, peak - 1], "step_times": [0.1, 0.11]}
+        else:
+            attrs["reason"] = reason
+        state = optuna.trial.TrialState.COMPLETE if rate else optuna.trial.TrialState.PRUNED
+        study.add_trial(optuna.trial.create_trial(state=state, value=rate, user_attrs=attrs))
+    Outputs(tmp_path, problem, "guided").finish(study)
+
+    assert main(["show", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    header, rows = lines[0].split(), {line.split()[1 if line.startswith("*") else 0]: line for line in lines[1:4]}
+    assert "peak/16.0" in header and "MiB" in header and {"tp", "pp", "sp", "mb", "ckpt"} <= set(header)
+    assert rows["1"].startswith("*") and "80.0" in rows["1"] and "12.0 MiB" in rows["1"]
+    assert not rows["0"].startswith("*") and "9.0 MiB" in rows["0"]
+    assert "~44.0 MiB" in rows["2"] and rows["2"].endswith("…")  # a prediction, the reason cut to fit
+    assert " - " in rows["0"]  # sp does nothing at tp=1
+    assert "nan" not in "\n".join(lines).lower()
+    assert lines[-2].startswith("best (*): trial 1 at 80.00 samples/s")
+
+    assert main(["show", str(tmp_path), "--csv"]) == 0
+    with open(tmp_path / "trials.csv", newline="") as f:
+        assert capsys.readouterr().out == f.read()
+    with open(tmp_path / "trials.csv", newline="") as f:
+        assert {r["trial"]: r["memory_budget"] for r in csv_module.DictReader(f)} == {str(i): str(16 * 2**20) for i in range(3)}

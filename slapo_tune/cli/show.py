@@ -1,38 +1,124 @@
-"""``slapo-tune show``: a results folder's trials table and best point."""
+"""``slapo-tune show``: a results folder's trials, one line each within 100 columns, and its best point."""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import math
+import sys
 from pathlib import Path
 
-HELP = "print a results folder's trials table and best point"
+HELP = "print a results folder's trials (the knobs that vary, throughput, memory) and best point"
+WIDTH = 100  # the table fits a terminal of this many columns
+# where a knob does nothing its space offers one value (template.space): shown as "-" there
+_IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 1), "sp": ("tp", 1),
+               "ckpt_policy": ("ckpt_ratio", 0.0)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", help="a study's output folder (tune --out), holding trials.csv")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--all", action="store_true", help="every column of the trials table, as a wide text table")
+    view.add_argument("--csv", action="store_true", help="the trials table as CSV, for another tool")
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def _same(a: str, b) -> bool:
+    value = _number(a)
+    return a == str(b) if value is None else value == float(b)
+
+
+def _size(text: str) -> str:
+    from ..units import format_size
+
+    value = _number(text)
+    return "" if value is None else format_size(value)
+
+
+def _knob_columns(rows: list[dict], names: list[str]) -> list[str]:
+    """The knobs whose value differs between rows, in the table's order."""
+    return [k for k in names if len({r[k] for r in rows}) > 1]
+
+
+def _cells(row: dict, knobs: list[str], best: bool) -> list[str]:
+    knob_cells = ["-" if k in _IDLE_WHERE and _same(row.get(_IDLE_WHERE[k][0], ""), _IDLE_WHERE[k][1]) else row[k]
+                  for k in knobs]
+    rate = _number(row.get("samples_per_s"))
+    measured = _size(row.get("peak_memory"))
+    # a point that did not run: the peak it was predicted (or pruned) at, marked as a prediction
+    predicted = _size(row.get("pruned_peak") or row.get("predicted_peak"))
+    memory = measured or (f"~{predicted}" if predicted else "")
+    return ["*" if best else "", row["trial"], row["status"], *knob_cells,
+            "" if rate is None else f"{rate:.1f}", memory, row.get("reason", "")]
+
+
+def _table(rows: list[dict], knobs: list[str], best: str | None, budget: str) -> list[str]:
+    from ..plan import SHORT_NAMES
+
+    header = ["", "#", "status", *(SHORT_NAMES.get(k, k) for k in knobs), "samples/s",
+              f"peak/{budget}" if budget else "peak", "note"]
+    body = [_cells(r, knobs, r["trial"] == best) for r in rows]
+    widths = [max(len(str(line[i])) for line in [header, *body]) for i in range(len(header) - 1)]
+    right = {1, len(header) - 3}  # trial numbers and throughput: right-aligned
+    lines = []
+    for line in [header, *body]:
+        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        text = " ".join(cells)
+        room = WIDTH - len(text) - 1
+        note = str(line[-1])
+        lines.append((text + " " + (note if len(note) <= room else note[:max(0, room - 1)] + "…")).rstrip()
+                     if room > 1 else text.rstrip())
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
-    import pandas as pd
-
     from ..errors import UsageError
     from ..schedule_file import read_schedule
+    from ..units import format_size
 
     folder = Path(args.folder)
     table = folder / "trials.csv"
     if not table.is_file():
         raise UsageError(f"{folder} has no trials.csv (is it a slapo-tune results folder?)")
-    frame = pd.read_csv(table)
-    columns = [c for c in frame.columns if c not in ("warnings", "retry_of", "peak_rss", "overhead_s", "wall_s")
-               and not (c == "peak_reserved" and frame[c].isna().all())]  # CPU trials: no allocator cache
-    with pd.option_context("display.max_rows", 500, "display.width", 200, "display.max_colwidth", 40):
-        print(frame[columns].to_string(index=False))
-    best = folder / "best_schedule.json"
-    if best.is_file():
-        schedule = read_schedule(best)
-        knobs = ",".join(f"{k}={v}" for k, v in schedule["knobs"].items())
-        measured = schedule.get("measured", {})
-        print(f"best: {knobs} at {measured.get('samples_per_s') or 0:.2f} samples/s (trial {measured.get('trial')})")
+    if args.csv:
+        sys.stdout.write(table.read_text())
+        return 0
+    if args.all:
+        import pandas as pd
+
+        with pd.option_context("display.max_rows", None, "display.width", 250, "display.max_colwidth", 60):
+            print(pd.read_csv(table).to_string(index=False, na_rep=""))
+        return 0
+    with table.open(newline="") as f:
+        reader = csv.DictReader(f)
+        rows, columns = list(reader), reader.fieldnames or []
+    schedule = read_schedule(folder / "best_schedule.json") if (folder / "best_schedule.json").is_file() else None
+    measured = (schedule or {}).get("measured", {})
+    best = None if measured.get("trial") is None else str(measured["trial"])
+    budgets = {r.get("memory_budget") for r in rows} - {"", None}
+    budget = format_size(float(budgets.pop())) if len(budgets) == 1 else ""
+    knob_names = columns[columns.index("status") + 1:columns.index("samples_per_s")] if "samples_per_s" in columns else []
+    if rows:
+        for line in _table(rows, _knob_columns(rows, knob_names), best, budget):
+            print(line)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(f"{len(rows)} trial(s): " + ", ".join(f"{n} {s}" for s, n in counts.items())
+          + ("; ~ marks a predicted peak" if any(not r.get("peak_memory") for r in rows) else ""))
+    if schedule is not None:
+        import textwrap
+
+        knobs = ", ".join(f"{k}={v}" for k, v in schedule["knobs"].items())
+        print(textwrap.fill(f"best (*): trial {measured.get('trial')} at {measured.get('samples_per_s') or 0:.2f} "
+                            f"samples/s: {knobs}", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     else:
         print("best: none yet")
     return 0

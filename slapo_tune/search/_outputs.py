@@ -30,6 +30,7 @@ PLOTS = ("best_so_far", "throughput_by_knob", "memory_predicted_vs_measured", "p
 
 def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
     rows = []
+    budget = (study.user_attrs.get("context") or {}).get("memory_budget")  # per rank, what pruning held points to
     for t in study.get_trials(deepcopy=False):
         status = trial_status(t)
         point = t.user_attrs.get("point")
@@ -46,7 +47,7 @@ def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
                "peak_rss": max(result.get("peak_rss") or [0]) or None,
                "predicted_peak": predicted.get("peak"), "predicted_step_s": predicted.get("step_s"),
                # a pruned point's peak by the mode that pruned it (exact mode's, where analytic let it through)
-               "pruned_peak": predicted.get("pruned_peak"),
+               "pruned_peak": predicted.get("pruned_peak"), "memory_budget": budget,
                "wait_fraction": result.get("wait_fraction"), "wall_s": result.get("wall_seconds"),
                "overhead_s": result.get("overhead_seconds"),
                "reason": t.user_attrs.get("reason") or result.get("error") or "",
