@@ -504,7 +504,7 @@ class Schedule:
         if not isinstance(match, _graph.Match):
             raise ScheduleError(f"fuse('{self.path}'): target must be a Match from find()")
         sub = _graph.extract_match(match)
-        return _graph.replace_match(match, _graph.compile_fn(sub, compiler), name)
+        return _graph.replace_match(match, _graph.compile_fn(sub, compiler), name, operands=True)
 
     def replace_all(self, module_type: type[nn.Module], make_fn: Callable[[nn.Module], nn.Module]) -> int:
         """Replace every descendant of type ``module_type`` by ``make_fn(old_module)``; returns the count."""
