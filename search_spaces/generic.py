@@ -10,7 +10,13 @@ shape-only forward pass (``FakeTensorMode``) of the model:
   the module reduces its input gradient once;
 * the input embedding (``get_input_embeddings``) is vocabulary parallel, the output embedding
   (``get_output_embeddings``) column parallel with its output gathered;
-* head-count and width attributes of the attention module are divided by tp.
+* head-count and width attributes of the attention module are divided by tp;
+* a fused projection (Q|K|V in one linear, gate|up in one) is recognised in the same forward by the
+  first use of its output: cut along its features (sliced, ``chunk``ed, ``split``) rather than
+  viewed as heads. Its parts' boundaries are the model's own (often from its config), so sharding it
+  would split the wrong features: the template refuses tp > 1 for such a model with the reason,
+  and the space offers tp=1 only. (GPT-NeoX's fused QKV is viewed head by head first: each rank's
+  columns are whole heads, and it is sharded as any column-parallel layer.)
 
 Checkpointing and pipeline cuts need only the block list. Run ``slapo-tune verify`` on a new
 family before tuning: the plan is a heuristic, and verify is the check.
@@ -18,13 +24,16 @@ family before tuning: the plan is a heuristic, and verify is the check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from slapo_tune._data_parallel import largest_module_list
 from slapo_tune._pipeline import _recorded_calls
 from slapo_tune.errors import ScheduleError
-from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, VocabParallel
+from slapo_tune.parallelize import Colwise, DivideAttr, ReduceInputGrad, Rowwise, Unshardable, VocabParallel
 from slapo_tune.template import Template
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "n_heads",
@@ -32,18 +41,63 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_hea
 _MLP_NAMES = ("mlp", "ffn", "feed_forward", "feedforward")
 
 
-def _linear_order(model: nn.Module, prefix: str) -> list[str]:
-    """Paths of the nn.Linear layers under ``prefix`` in the order the forward calls them."""
+class _FirstUses(TorchFunctionMode):
+    """Records the first operation applied to each watched tensor (a linear layer's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.watched: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (layer path, the tensor: kept alive)
+        self.first: dict[str, tuple[Callable, tuple, dict]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads_attribute = getattr(func, "__name__", "") == "__get__"  # .shape, .dtype: not a use
+        if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.watched and not reads_attribute:
+            path = self.watched.pop(id(args[0]))[0]
+            self.first.setdefault(path, (func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _splits_features(use: tuple[Callable, tuple, dict]) -> str:
+    """How a first use cuts a projection's output features into parts ("" if it does not)."""
+    func, args, kwargs = use
+    out = args[0]
+    name = getattr(func, "__name__", "")
+    if name == "__getitem__" and isinstance(args[1], tuple) and args[1] and isinstance(args[1][-1], slice):
+        index = args[1]
+        if (Ellipsis in index or len(index) == out.dim()) and index[-1] != slice(None):
+            return "slices it at fixed offsets"
+    if name in ("chunk", "split", "tensor_split", "unbind", "narrow", "split_with_sizes"):
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        if name == "unbind":
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if isinstance(dim, int) and dim % out.dim() == out.dim() - 1:
+            return f"cuts it with {name}()"
+    return ""
+
+
+def _shape_walk(model: nn.Module, prefix: str) -> tuple[list[str], dict[str, str]]:
+    """One shape-only forward: the nn.Linear layers under ``prefix`` in the order they run, and for
+    each whose output's first use cuts its features into parts (a fused projection: Q|K|V,
+    gate|up), how it does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from slapo_tune._comm import communication_disabled
 
-    with _recorded_calls(model) as calls, communication_disabled(), torch.no_grad(), \
-            FakeTensorMode(allow_non_fake_inputs=True):
-        device = next(model.parameters()).device
-        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
-    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(prefix + ".")]
-    return sorted((p for p in linears if p in calls), key=lambda p: calls[p].order)
+    linears = {p: m for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(prefix + ".")}
+    uses = _FirstUses()
+    handles = [m.register_forward_hook(lambda mod, args, out, p=p: uses.watched.__setitem__(id(out), (p, out)))
+               for p, m in linears.items()]
+    try:
+        with _recorded_calls(model) as calls, communication_disabled(), torch.no_grad(), \
+                FakeTensorMode(allow_non_fake_inputs=True), uses:
+            device = next(model.parameters()).device
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    order = sorted((p for p in linears if p in calls), key=lambda p: calls[p].order)
+    return order, {p: how for p, use in uses.first.items() if (how := _splits_features(use))}
 
 
 def _module_path(model: nn.Module, module: nn.Module | None) -> str | None:
@@ -61,6 +115,9 @@ class GenericDecoderTemplate(Template):
             raise ScheduleError(f"generic template: {type(model).__name__} has no repeated block list (nn.ModuleList)")
         return found[0]
 
+    def tp_refusal(self, config) -> str:
+        return _tp_refusal(self, config)
+
     def plan(self, model: nn.Module, fused: bool = False) -> dict:
         blocks = self.blocks_path(model)
         first = model.get_submodule(f"{blocks}.0")
@@ -74,7 +131,7 @@ class GenericDecoderTemplate(Template):
                 f"(children: {', '.join(n for n, _ in first.named_children())}); write a template"
             )
         plan: dict = {}
-        order = _linear_order(model, f"{blocks}.0")
+        order, fused_parts = _shape_walk(model, f"{blocks}.0")
         for name, module in (attn, mlp):
             inner = [p for p in order if p.startswith(f"{blocks}.0.{name}.")]
             if len(inner) < 2:
@@ -84,8 +141,16 @@ class GenericDecoderTemplate(Template):
             if module is attn[1] and attrs:
                 styles.insert(0, DivideAttr(*attrs))
             plan[f"{blocks}.*.{name}"] = styles
+            width = model.get_submodule(inner[-1]).in_features  # what the parts are split back to
             for path in inner[:-1]:
-                plan[f"{blocks}.*.{path[len(blocks) + 3:]}"] = Colwise(reduce_input_grad=False)
+                key = f"{blocks}.*.{path[len(blocks) + 3:]}"
+                plan[key] = Colwise(reduce_input_grad=False)
+                if path in fused_parts:
+                    out = model.get_submodule(path).out_features
+                    plan[key] = Unshardable(
+                        f"'{key}' is a fused projection ({out} output features for a width of {width}; the "
+                        f"model {fused_parts[path]}), which the generic template does not shard part by part: "
+                        "tp=1 only, or write a template sharding it with Colwise(num_fused=...)")
             plan[f"{blocks}.*.{inner[-1][len(blocks) + 3:]}"] = Rowwise()
         embed = _module_path(model, model.get_input_embeddings())
         head = _module_path(model, model.get_output_embeddings())
@@ -93,5 +158,23 @@ class GenericDecoderTemplate(Template):
             raise ScheduleError("generic template: the model has no input/output embeddings to shard")
         return {embed: VocabParallel(), **plan, head: Colwise(gather_output=True)}
 
+
+def _tp_refusal(template: GenericDecoderTemplate, config) -> str:
+    """The reasons the plan of ``config``'s model (built on the meta device) cannot be sharded."""
+    from slapo_tune.models import config_fingerprint
+
+    key = config_fingerprint(config)
+    if key not in _REFUSALS:
+        from slapo_tune.models import model_from_config
+
+        try:
+            plan = template.plan(model_from_config(config, device="meta"))
+        except ScheduleError:
+            plan = {}  # no plan at all: applying the template says why
+        _REFUSALS[key] = "; ".join(s.reason for s in plan.values() if isinstance(s, Unshardable))
+    return _REFUSALS[key]
+
+
+_REFUSALS: dict[str, str] = {}  # config fingerprint -> refusal (a shape-only forward per model)
 
 TEMPLATE = GenericDecoderTemplate()

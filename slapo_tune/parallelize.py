@@ -65,7 +65,14 @@ class DivideAttr:
         object.__setattr__(self, "names", names)
 
 
-Style = Colwise | Rowwise | VocabParallel | DivideAttr | ReduceInputGrad
+@dataclass(frozen=True)
+class Unshardable:
+    """A layer the plan cannot shard, and why: tensor parallelism over it is refused."""
+
+    reason: str
+
+
+Style = Colwise | Rowwise | VocabParallel | DivideAttr | ReduceInputGrad | Unshardable
 
 
 def glob_to_regex(pattern: str) -> str:
@@ -129,6 +136,8 @@ def _apply_style(node: Schedule, style: Style, sequence_parallel: bool = False) 
             if value % node.world_size:
                 raise ScheduleError(f"'{node.path}'.{name} = {value} is not divisible by tp={node.world_size}")
             node.set_attr(name, value // node.world_size)
+    elif isinstance(style, Unshardable):
+        raise ScheduleError(f"'{node.path}': {style.reason}")
     else:
         raise ScheduleError(f"unknown tensor-parallel style {style!r}")
 
