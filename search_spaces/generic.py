@@ -12,10 +12,12 @@ shape-only forward pass (``FakeTensorMode``) of the model:
   (``get_output_embeddings``) column parallel with its output gathered;
 * head-count and width attributes of the attention module are divided by tp;
 * a fused projection (Q|K|V in one linear, gate|up in one) is recognised in the same forward by the
-  first use of its output: cut along its features (sliced, ``chunk``ed, ``split``) rather than
-  viewed as heads. Its parts' boundaries are the model's own (often from its config), so sharding it
-  would split the wrong features: the template refuses tp > 1 for such a model with the reason,
-  and the space offers tp=1 only. (GPT-NeoX's fused QKV is viewed head by head first: each rank's
+  first use of its output: cut along its features rather than viewed as heads. Cut into equal
+  parts relative to its own width (``chunk(n)``: Phi-3's and GLM's gate|up), it is sharded part by
+  part (``Colwise(num_fused=n)``), so each rank's shard is cut into its own parts. Cut at fixed
+  offsets (slices, ``split(sizes)``: Phi-3's Q|K|V at offsets from its config), a shard would be
+  cut at the full model's offsets: the template refuses tp > 1 for the model with the reason, and
+  the space offers tp=1 only. (GPT-NeoX's fused QKV is viewed head by head first: each rank's
   columns are whole heads, and it is sharded as any column-parallel layer.)
 
 Checkpointing and pipeline cuts need only the block list. Run ``slapo-tune verify`` on a new
@@ -25,6 +27,7 @@ family before tuning: the plan is a heuristic, and verify is the check.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -58,25 +61,34 @@ class _FirstUses(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _splits_features(use: tuple[Callable, tuple, dict]) -> str:
-    """How a first use cuts a projection's output features into parts ("" if it does not)."""
+@dataclass(frozen=True)
+class _FeatureCut:
+    """How a projection's output is first cut along its features (a fused projection)."""
+
+    how: str
+    parts: int | None  # equal parts relative to the tensor's own width (chunk): shardable part by part
+
+
+def _cuts_features(use: tuple[Callable, tuple, dict]) -> _FeatureCut | None:
+    """How a first use cuts a projection's output along its features (None if it does not)."""
     func, args, kwargs = use
     out = args[0]
     name = getattr(func, "__name__", "")
     if name == "__getitem__" and isinstance(args[1], tuple) and args[1] and isinstance(args[1][-1], slice):
         index = args[1]
         if (Ellipsis in index or len(index) == out.dim()) and index[-1] != slice(None):
-            return "slices it at fixed offsets"
-    if name in ("chunk", "split", "tensor_split", "unbind", "narrow", "split_with_sizes"):
-        dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-        if name == "unbind":
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            return _FeatureCut("slices at fixed offsets", None)
+    if name in ("chunk", "split", "tensor_split", "narrow", "split_with_sizes", "unbind"):
+        dim_at = 1 if name == "unbind" else 2
+        dim = kwargs.get("dim", args[dim_at] if len(args) > dim_at else 0)
         if isinstance(dim, int) and dim % out.dim() == out.dim() - 1:
-            return f"cuts it with {name}()"
-    return ""
+            # chunk(n) cuts wherever the tensor's own width says: a shard is cut into its own parts
+            parts = kwargs.get("chunks", args[1] if len(args) > 1 else None) if name == "chunk" else None
+            return _FeatureCut(f"cuts with {name}()", parts if isinstance(parts, int) else None)
+    return None
 
 
-def _shape_walk(model: nn.Module, prefix: str) -> tuple[list[str], dict[str, str]]:
+def _shape_walk(model: nn.Module, prefix: str) -> tuple[list[str], dict[str, _FeatureCut]]:
     """One shape-only forward: the nn.Linear layers under ``prefix`` in the order they run, and for
     each whose output's first use cuts its features into parts (a fused projection: Q|K|V,
     gate|up), how it does."""
@@ -97,7 +109,7 @@ def _shape_walk(model: nn.Module, prefix: str) -> tuple[list[str], dict[str, str
         for h in handles:
             h.remove()
     order = sorted((p for p in linears if p in calls), key=lambda p: calls[p].order)
-    return order, {p: how for p, use in uses.first.items() if (how := _splits_features(use))}
+    return order, {p: cut for p, use in uses.first.items() if (cut := _cuts_features(use))}
 
 
 def _module_path(model: nn.Module, module: nn.Module | None) -> str | None:
@@ -144,13 +156,15 @@ class GenericDecoderTemplate(Template):
             width = model.get_submodule(inner[-1]).in_features  # what the parts are split back to
             for path in inner[:-1]:
                 key = f"{blocks}.*.{path[len(blocks) + 3:]}"
-                plan[key] = Colwise(reduce_input_grad=False)
-                if path in fused_parts:
+                cut = fused_parts.get(path)
+                if cut is None or cut.parts is not None:  # plain, or cut into equal parts: each sharded
+                    plan[key] = Colwise(reduce_input_grad=False, num_fused=1 if cut is None else cut.parts)
+                else:
                     out = model.get_submodule(path).out_features
                     plan[key] = Unshardable(
-                        f"'{key}' is a fused projection ({out} output features for a width of {width}; the "
-                        f"model {fused_parts[path]}), which the generic template does not shard part by part: "
-                        "tp=1 only, or write a template sharding it with Colwise(num_fused=...)")
+                        f"'{key}' is a fused projection ({out} output features for a width of {width}) that "
+                        f"the model {cut.how}, which a shard would not shrink: tp=1 only, or write a template "
+                        "that shards it with Colwise(num_fused=[...]) and divides those offsets")
             plan[f"{blocks}.*.{inner[-1][len(blocks) + 3:]}"] = Rowwise()
         embed = _module_path(model, model.get_input_embeddings())
         head = _module_path(model, model.get_output_embeddings())

@@ -42,6 +42,15 @@ def phi3_config(directory) -> str:
     return str(directory)
 
 
+def glm_config(directory) -> str:
+    """A GLM decoder (separate Q, K, V; gate_up_proj 2 x 128 cut with chunk), saved in ``directory``."""
+    import transformers
+
+    transformers.GlmConfig(intermediate_size=128, pad_token_id=1, attention_dropout=0.0, **TINY_DECODER
+                           ).save_pretrained(directory)
+    return str(directory)
+
+
 def family_module(preset: str):
     return importlib.import_module(f"search_spaces.{FAMILIES[preset]}")
 
