@@ -183,8 +183,8 @@ def _tp_refusal(template: GenericDecoderTemplate, config) -> str:
 
         try:
             plan = template.plan(model_from_config(config, device="meta"))
-        except ScheduleError:
-            plan = {}  # no plan at all: applying the template says why
+        except Exception:  # noqa: BLE001 - no plan at all: applying the template says why, with the path
+            plan = {}
         _REFUSALS[key] = "; ".join(s.reason for s in plan.values() if isinstance(s, Unshardable))
     return _REFUSALS[key]
 

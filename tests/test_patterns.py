@@ -170,3 +170,14 @@ def test_bert_bias_dropout_layernorm_fusion_with_module_pattern_verifies():
     out.fuse(match, compiler="eager")
     report = st.verify(model, reference, token_batch(512))
     assert report.ok and report.max_grad_error == 0.0
+
+
+def test_a_module_the_schedule_changed_matches_nothing(fake_group):
+    sch = st.create_schedule(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)))
+    sch["2"].shard("weight", 1)  # row parallel: its call now sums over ranks, not a plain linear
+    sch["2"].sync("fwd_post", "all_reduce")
+    sch = sch.trace()
+    (match,) = sch.find(lambda x: F.relu(nn.Linear(8, 8)(x)))
+    assert [n.target for n in match.nodes] == ["0", "1"]
+    with pytest.raises(st.PatternError, match="matches nothing"):
+        sch.find(lambda x: nn.Linear(8, 8)(F.relu(x)))
