@@ -2,7 +2,8 @@
 
 ``trace`` uses ``torch.fx`` symbolic tracing, which keeps the graph shape-generic (any batch or
 sequence length). Modules the schedule has touched (sharded with syncs, checkpointed) stay
-opaque calls, so their hooks keep working; a ``decompose``d linear layer is traced through, so
+opaque calls, so their hooks keep working; so do modules with a functional form in the pattern
+table (``_patterns``: activations, dropout, norms), which patterns match in either spelling; a ``decompose``d linear layer is traced through, so
 its bias addition becomes visible to patterns. Where ``torch.fx`` fails (Hugging Face blocks in
 transformers 5 do), ``torch.export`` takes example inputs instead; its graph is specialised to
 their shapes.

@@ -378,9 +378,12 @@ class Schedule:
         """Find what a later primitive should act on.
 
         A string is a regular expression over descendant paths: the nodes whose relative path
-        matches fully. A function of tensors (``lambda x, b: F.gelu(x + b)``) is a subgraph
-        pattern: its non-overlapping :class:`~slapo_tune._graph.Match` es in this traced module.
-        A pattern that matches nothing raises :class:`PatternError`.
+        matches fully. A function of tensors (``lambda x, b: F.gelu(x + b)``) or an ``nn.Module``
+        is a subgraph pattern: its non-overlapping :class:`~slapo_tune._graph.Match` es in this
+        traced module. Module calls and their functional forms match each other
+        (``nn.GELU(approximate="tanh")`` finds ``F.gelu(..., approximate="tanh")`` and GPT-2's
+        ``gelu_new``; see ``slapo_tune._patterns``). A pattern that matches nothing, or cannot be
+        matched, raises :class:`PatternError`.
         """
         if callable(pattern):
             from ._graph import find_pattern
