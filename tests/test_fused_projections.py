@@ -9,6 +9,7 @@ import transformers
 
 import slapo_tune as st
 from slapo_tune.cli import main
+from slapo_tune.cost_model.analytic import probe_tp
 from slapo_tune.models import build_model
 from slapo_tune.parallelize import Colwise, apply_tensor_parallel
 from slapo_tune.problem import ProblemSpec
@@ -21,6 +22,7 @@ def test_fused_projections_refuse_tp_in_space_verify_and_schedule(tmp_path, caps
     problem = ProblemSpec(path, 2, global_batch=4, seq_len=16).resolve()
     assert problem.template.name == "generic"
     assert {p["tp"] for p in problem.space.enumerate()} == {1}
+    assert probe_tp(problem.config, problem.template) == 0  # the cost model's probe does not shard it either
     assert main(["verify", "--model", path, "--world-size", "2", "--knobs", "tp=2", "--seq-len", "16"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "Traceback" not in err
@@ -47,6 +49,7 @@ def test_projection_cut_into_equal_parts_is_sharded_part_by_part(tmp_path):
     problem = ProblemSpec(glm_config(tmp_path), 2, global_batch=4, seq_len=16).resolve()
     assert problem.template.name == "generic" and problem.info.tp_refusal == ""
     assert {p["tp"] for p in problem.space.enumerate()} == {1, 2}
+    assert probe_tp(problem.config, problem.template) == 2
     plan = problem.template.plan(problem.model.build())
     assert plan["model.layers.*.mlp.gate_up_proj"] == Colwise(num_fused=2, reduce_input_grad=False)
     assert plan["model.layers.*.self_attn.q_proj"] == Colwise(reduce_input_grad=False)
