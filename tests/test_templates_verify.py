@@ -60,7 +60,7 @@ def test_sampled_points_of_every_template_verify(world, tmp_path):
         phi3 = _points(phi3_config(tmp_path / "phi3"), world, sample=True)
         glm = [c for c in _points(glm_config(tmp_path / "glm"), world, sample=True) if c[2]["tp"] == 2]
         assert {c[2]["tp"] for c in phi3} == {1} and glm
-        cases += phi3 + glm
+        cases += phi3[:1] + glm  # one of Phi-3's points (pp=1, dp=2) keeps the test short
     layouts = {(c[2]["tp"], c[2]["pp"]) for c in cases}
     assert len(layouts) == {1: 1, 2: 3, 4: 6}[world]
     _run(world, cases)
