@@ -3,8 +3,8 @@
 ``trace`` uses ``torch.fx`` symbolic tracing, which keeps the graph shape-generic (any batch or
 sequence length). Modules the schedule has touched (sharded with syncs, checkpointed) stay
 opaque calls, so their hooks keep working; so do modules with a functional form in the pattern
-table (``_patterns``: activations, dropout, norms), which patterns match in either spelling; a ``decompose``d linear layer is traced through, so
-its bias addition becomes visible to patterns. Where ``torch.fx`` fails (Hugging Face blocks in
+table (``_patterns``: activations, dropout, norms), which patterns match in either spelling. A
+``decompose``d linear layer is traced through, so its bias addition becomes visible to patterns. Where ``torch.fx`` fails (Hugging Face blocks in
 transformers 5 do), ``torch.export`` takes example inputs instead; its graph is specialised to
 their shapes.
 
@@ -223,7 +223,8 @@ def _pattern_graph(node, pattern: Callable):
     root = pattern if isinstance(pattern, nn.Module) else None
 
     def module_at(path: str) -> nn.Module:
-        return tracer.called.get(path) or root.get_submodule(path)
+        found = tracer.called.get(path)
+        return found if found is not None else root.get_submodule(path)
 
     nf = normal_form(graph, module_at, opaque=lambda m: False, pattern=True)
     nf.graph.eliminate_dead_code()
@@ -259,23 +260,22 @@ def find_pattern(node, pattern: Callable) -> list[Match]:
         raise PatternError(f"find('{node.path}'): cannot match the pattern ({type(exc).__name__}: {exc}); "
                            "write it with torch functionals or nn modules over tensor arguments") from None
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    made: dict[str, fx.Node | None] = {}  # a module parameter's get_attr node in the target graph
 
     def bound(value):
         """The target-graph node (or constant) a pattern argument is bound to."""
         if not isinstance(value, fx.Node):
             return value
-        if value in target.operands:  # a module's parameter: read it in the graph itself
-            call, name = target.operands[value]
-            path = f"{call.target}.{name}"
-            if path not in made:
-                made[path] = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == path), None)
-            if made[path] is None or order.get(made[path], len(order)) > order[call]:
-                with gm.graph.inserting_before(call):
-                    made[path] = gm.graph.get_attr(path)
-                order[made[path]] = order[call] - 0.5
-            return made[path]
-        return target.origin[value]
+        if value not in target.operands:
+            return target.origin[value]
+        # a module's parameter: a node reading it before the module's call (found, else made)
+        call, name = target.operands[value]
+        path = f"{call.target}.{name}"
+        reader = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == path
+                       and order.get(n, len(order)) < order[call]), None)
+        if reader is None:
+            with gm.graph.inserting_before(call):
+                reader = gm.graph.get_attr(path)
+        return reader
 
     matches = []
     for m in found:
