@@ -2,8 +2,9 @@
 
 ``trace`` uses ``torch.fx`` symbolic tracing, which keeps the graph shape-generic (any batch or
 sequence length). Modules the schedule has touched (sharded with syncs, checkpointed) stay
-opaque calls, so their hooks keep working; a ``decompose``d linear layer is traced through, so
-its bias addition becomes visible to patterns. Where ``torch.fx`` fails (Hugging Face blocks in
+opaque calls, so their hooks keep working; so do modules with a functional form in the pattern
+table (``_patterns``: activations, dropout, norms), which patterns match in either spelling. A
+``decompose``d linear layer is traced through, so its bias addition becomes visible to patterns. Where ``torch.fx`` fails (Hugging Face blocks in
 transformers 5 do), ``torch.export`` takes example inputs instead; its graph is specialised to
 their shapes.
 
@@ -23,6 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ._patterns import has_normal_form, normal_form
 from ._schedule import INIT_PARTS, ModuleState, state_of
 from ._sharding import is_conv1d
 from .errors import PatternError, ScheduleError, TraceError
@@ -95,19 +97,28 @@ class _Tracer(fx.Tracer):
             return False
         if _has_schedule_effects(st) or isinstance(m, (_FusedSlice, _Fused, *self.leaf_types)):
             return True
+        if has_normal_form(m):  # kept as a call, so patterns can match its normal form
+            return True
         if is_conv1d(m):
             return True
         return super().is_leaf_module(m, qualname)
 
 
 class _PatternTracer(_Tracer):
-    """Traces a pattern function; module objects it calls are traced through (not installed)."""
+    """Traces a pattern (a function or a module); remembers the module each call refers to,
+    including modules the pattern creates or closes over (not installed anywhere)."""
+
+    def __init__(self):
+        super().__init__()
+        self.called: dict[str, nn.Module] = {}
 
     def path_of_module(self, mod: nn.Module) -> str:
         try:
-            return super().path_of_module(mod)
+            path = super().path_of_module(mod)
         except NameError:
-            return f"_pattern_module_{id(mod)}"
+            path = f"_pattern_module_{id(mod)}"
+        self.called[path] = mod
+        return path
 
 
 def trace_module(module: nn.Module, path: str, example_args: tuple | None = None,
@@ -176,35 +187,106 @@ class Match:
     owner: object  # the Schedule node holding the traced module
     pattern: Callable
     nodes: list[fx.Node]  # target-graph nodes computed by the pattern (in graph order)
-    inputs: list[fx.Node]  # target-graph nodes bound to the pattern's inputs (in its argument order)
+    inputs: list  # what the pattern's arguments are bound to (target-graph nodes or constants), in order
     output: fx.Node
 
+    @property
+    def operands(self) -> list:
+        """The inputs, then every other outside node the matched nodes read (the model's tensors
+        that a pattern module's parameters stood for): what a fused copy of the match takes."""
+        inside, seen = set(self.nodes), set()
+        extra = []
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in self.inputs and a not in seen:
+                    seen.add(a)
+                    extra.append(a)
+        return [*self.inputs, *extra]
+
     def __repr__(self) -> str:
-        return f"Match({self.owner.path}: {[n.name for n in self.nodes]} <- {[n.name for n in self.inputs]})"
+        return f"Match({self.owner.path}: {[n.name for n in self.nodes]} <- {[_name(n) for n in self.inputs]})"
+
+
+def _name(value) -> str:
+    return value.name if isinstance(value, fx.Node) else repr(value)
+
+
+def _pattern_graph(node, pattern: Callable):
+    """The pattern's graph in normal form; PatternError if it cannot be one."""
+    where = f"find('{node.path}')"
+    tracer = _PatternTracer()
+    try:
+        graph = tracer.trace(pattern)
+    except Exception as exc:  # noqa: BLE001 - fx raises anything for an untraceable function
+        raise PatternError(f"{where}: cannot trace the pattern ({type(exc).__name__}: {exc}); write it as "
+                           "a function of tensors using torch operations and modules") from None
+    root = pattern if isinstance(pattern, nn.Module) else None
+
+    def module_at(path: str) -> nn.Module:
+        found = tracer.called.get(path)
+        return found if found is not None else root.get_submodule(path)
+
+    nf = normal_form(graph, module_at, opaque=lambda m: False, pattern=True)
+    nf.graph.eliminate_dead_code()
+    (out,) = [n for n in nf.graph.nodes if n.op == "output"]
+    if not isinstance(out.args[0], fx.Node):
+        raise PatternError(f"{where}: the pattern must return one tensor (it returns {out.args[0]!r}); "
+                           "find each result with its own pattern")
+    if out.args[0].op == "placeholder":
+        raise PatternError(f"{where}: the pattern computes nothing (it returns an input)")
+    return nf
 
 
 def find_pattern(node, pattern: Callable) -> list[Match]:
-    """Every non-overlapping match of ``pattern`` (a function of tensors) in ``node``'s graph."""
+    """Every non-overlapping match of ``pattern`` in ``node``'s graph.
+
+    ``pattern`` is a function of tensors or an ``nn.Module``; it may call functionals or modules,
+    and module calls match their functional forms (``_patterns``: the pattern and a copy of the
+    target graph are matched in one normal form). Raises :class:`PatternError`, never anything else,
+    when the pattern cannot be matched or matches nothing.
+    """
     from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
     gm = node.mod
     if not isinstance(gm, fx.GraphModule):
         raise TraceError(f"find('{node.path}'): {type(gm).__name__} is not traced; call trace() on it first")
+    pat = _pattern_graph(node, pattern)
+    target = normal_form(gm.graph, gm.get_submodule, opaque=lambda m: _has_schedule_effects(state_of(m)),
+                         pattern=False)
     try:
-        pattern_graph = _PatternTracer().trace(pattern)
-    except Exception as exc:  # noqa: BLE001
-        raise PatternError(f"find('{node.path}'): cannot trace the pattern: {exc}") from None
-    pattern_graph.eliminate_dead_code()
-    matcher = SubgraphMatcher(pattern_graph, match_output=False, match_placeholder=False,
-                              remove_overlapping_matches=True)
+        found = SubgraphMatcher(pat.graph, match_output=False, match_placeholder=False,
+                                remove_overlapping_matches=True).match(target.graph)
+    except Exception as exc:  # noqa: BLE001 - the matcher asserts on what it does not support
+        raise PatternError(f"find('{node.path}'): cannot match the pattern ({type(exc).__name__}: {exc}); "
+                           "write it with torch functionals or nn modules over tensor arguments") from None
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    placeholders = [n for n in pattern_graph.nodes if n.op == "placeholder"]
+
+    def bound(value):
+        """The target-graph node (or constant) a pattern argument is bound to."""
+        if not isinstance(value, fx.Node):
+            return value
+        if value not in target.operands:
+            return target.origin[value]
+        # a module's parameter: a node reading it before the module's call (found, else made)
+        call, name = target.operands[value]
+        path = f"{call.target}.{name}"
+        reader = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == path
+                       and order.get(n, len(order)) < order[call]), None)
+        if reader is None:
+            with gm.graph.inserting_before(call):
+                reader = gm.graph.get_attr(path)
+        return reader
+
     matches = []
-    for m in matcher.match(gm.graph):
-        inner = sorted((t for p, t in m.nodes_map.items() if p.op not in ("placeholder", "output")), key=order.get)
-        matches.append(Match(node, pattern, inner, [m.nodes_map[p] for p in placeholders], m.returning_nodes[0]))
+    for m in found:
+        if any(not isinstance(m.nodes_map[h], fx.Node) for h in pat.held if h in m.nodes_map):
+            continue  # a pattern module's weight stands for a tensor, not for a missing one (None)
+        inner = sorted({target.origin[t] for p, t in m.nodes_map.items() if p.op not in ("placeholder", "output")},
+                       key=order.get)
+        inputs = [bound(m.nodes_map[p]) for p in pat.placeholders if p in m.nodes_map]
+        matches.append(Match(node, pattern, inner, inputs, target.origin[m.returning_nodes[0]]))
     if not matches:
-        name = getattr(pattern, "__name__", "pattern")
+        name = getattr(pattern, "__name__", type(pattern).__name__)
         raise PatternError(f"find('{node.path}'): {name} matches nothing in the traced graph of {node.path or 'the model'}")
     return matches
 
@@ -220,13 +302,15 @@ def _accepts(fn: Callable, n: int) -> bool:
     return True
 
 
-def replace_match(match: Match, new: Callable, name: str = "fused") -> str:
-    """Vertical fusion: the matched subgraph becomes one call of ``new(*match.inputs)``."""
+def replace_match(match: Match, new: Callable, name: str = "fused", *, operands: bool = False) -> str:
+    """Vertical fusion: the matched subgraph becomes one call of ``new(*match.inputs)``
+    (``new(*match.operands)`` with ``operands``: a copy of the match, which reads them all)."""
     gm: fx.GraphModule = match.owner.mod
-    if not _accepts(new, len(match.inputs)):
+    args = match.operands if operands else match.inputs
+    if not _accepts(new, len(args)):
         raise PatternError(
-            f"replace('{match.owner.path}'): the replacement must take the {len(match.inputs)} input(s) "
-            f"of the match ({', '.join(n.name for n in match.inputs)})"
+            f"replace('{match.owner.path}'): the replacement must take the {len(args)} input(s) "
+            f"of the match ({', '.join(_name(n) for n in args)})"
         )
     if any(n.graph is not gm.graph for n in match.nodes) or any(n not in gm.graph.nodes for n in match.nodes):
         raise PatternError(f"replace('{match.owner.path}'): the match is stale (its graph changed); find it again")
@@ -243,7 +327,7 @@ def replace_match(match: Match, new: Callable, name: str = "fused") -> str:
         attr = f"{name}_{i}"
     gm.add_submodule(attr, _Fused(new))
     with gm.graph.inserting_before(match.output):
-        call = gm.graph.call_module(attr, tuple(match.inputs))
+        call = gm.graph.call_module(attr, tuple(args))
     match.output.replace_all_uses_with(call)
     for n in reversed(match.nodes):
         gm.graph.erase_node(n)
@@ -253,10 +337,10 @@ def replace_match(match: Match, new: Callable, name: str = "fused") -> str:
 
 
 def extract_match(match: Match) -> fx.GraphModule:
-    """The matched subgraph as a standalone GraphModule of the match's inputs."""
+    """The matched subgraph as a standalone GraphModule of the match's operands."""
     gm: fx.GraphModule = match.owner.mod
     graph = fx.Graph()
-    env = {n: graph.placeholder(f"in_{i}") for i, n in enumerate(match.inputs)}
+    env = {n: graph.placeholder(f"in_{i}") for i, n in enumerate(match.operands)}
     for n in match.nodes:
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[match.output])

@@ -378,9 +378,12 @@ class Schedule:
         """Find what a later primitive should act on.
 
         A string is a regular expression over descendant paths: the nodes whose relative path
-        matches fully. A function of tensors (``lambda x, b: F.gelu(x + b)``) is a subgraph
-        pattern: its non-overlapping :class:`~slapo_tune._graph.Match` es in this traced module.
-        A pattern that matches nothing raises :class:`PatternError`.
+        matches fully. A function of tensors (``lambda x, b: F.gelu(x + b)``) or an ``nn.Module``
+        is a subgraph pattern: its non-overlapping :class:`~slapo_tune._graph.Match` es in this
+        traced module. Module calls and their functional forms match each other
+        (``nn.GELU(approximate="tanh")`` finds ``F.gelu(..., approximate="tanh")`` and GPT-2's
+        ``gelu_new``; see ``slapo_tune._patterns``). A pattern that matches nothing, or cannot be
+        matched, raises :class:`PatternError`.
         """
         if callable(pattern):
             from ._graph import find_pattern
@@ -504,7 +507,7 @@ class Schedule:
         if not isinstance(match, _graph.Match):
             raise ScheduleError(f"fuse('{self.path}'): target must be a Match from find()")
         sub = _graph.extract_match(match)
-        return _graph.replace_match(match, _graph.compile_fn(sub, compiler), name)
+        return _graph.replace_match(match, _graph.compile_fn(sub, compiler), name, operands=True)
 
     def replace_all(self, module_type: type[nn.Module], make_fn: Callable[[nn.Module], nn.Module]) -> int:
         """Replace every descendant of type ``module_type`` by ``make_fn(old_module)``; returns the count."""

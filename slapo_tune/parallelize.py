@@ -30,7 +30,15 @@ from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-expor
 from ._schedule import Schedule, state_of
 from ._sharding import rule_for
 from .errors import ScheduleError
-from .styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, Style, VocabParallel  # noqa: F401  (re-exported)
+from .styles import (  # noqa: F401  (re-exported)
+    Colwise,
+    DivideAttr,
+    ReduceInputGrad,
+    Rowwise,
+    Style,
+    Unshardable,
+    VocabParallel,
+)
 
 
 def glob_to_regex(pattern: str) -> str:
@@ -94,6 +102,8 @@ def _apply_style(node: Schedule, style: Style, sequence_parallel: bool = False) 
             if value % node.world_size:
                 raise ScheduleError(f"'{node.path}'.{name} = {value} is not divisible by tp={node.world_size}")
             node.set_attr(name, value // node.world_size)
+    elif isinstance(style, Unshardable):
+        raise ScheduleError(f"'{node.path}': {style.reason}")
     else:
         raise ScheduleError(f"unknown tensor-parallel style {style!r}")
 

@@ -91,7 +91,7 @@ class ProblemSpec:
             raise UsageError(f"seq_len {seq_len} is longer than {self.model}'s {positions} positions")
         spec = replace(self, global_batch=self.global_batch or default_global_batch(self.world_size, seq_len, device),
                        seq_len=seq_len)
-        info = ModelInfo.from_config(config)
+        info = replace(ModelInfo.from_config(config), tp_refusal=template.tp_refusal(config))
         workload = Workload(spec.world_size, spec.global_batch, spec.seq_len, spec.precision)
         space = template.space(info, workload)
         if next(space.enumerate(), None) is None:

@@ -41,6 +41,7 @@ class Knob:
     derive: Callable[[Point], Any] | None = None
     doc: str = ""
     kind: type = int
+    limited_by: str = ""  # why values one would expect are not offered (said when one is asked for)
 
     def raw(self, point: Point) -> list[Any]:
         if self.derive is not None:
@@ -225,7 +226,9 @@ class Space:
                     given = ", ".join(f"{k}={v}" for k, v in point.items() if k in knob.depends)
                     where = f" with {given}" if given else ""
                     values = ", ".join(str(v) for v in legal) or "none"
-                    raise UsageError(f"{knob.name}={value} is not legal for this model and world{where}; legal values: {values}")
+                    why = f" ({knob.limited_by})" if knob.limited_by else ""
+                    raise UsageError(f"{knob.name}={value} is not legal for this model and world{where}; "
+                                     f"legal values: {values}{why}")
             elif legal:
                 value = legal[0]
             else:

@@ -46,4 +46,11 @@ class DivideAttr:
         object.__setattr__(self, "names", names)
 
 
-Style = Colwise | Rowwise | VocabParallel | DivideAttr | ReduceInputGrad
+@dataclass(frozen=True)
+class Unshardable:
+    """A layer the plan cannot shard, and why: tensor parallelism over it is refused."""
+
+    reason: str
+
+
+Style = Colwise | Rowwise | VocabParallel | DivideAttr | ReduceInputGrad | Unshardable

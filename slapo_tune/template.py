@@ -49,6 +49,7 @@ class ModelInfo:
     vocab: int
     intermediate: int
     supports_sdpa: bool = True
+    tp_refusal: str = ""  # why the template cannot shard this model (Template.tp_refusal): tp=1 only
 
     @classmethod
     def from_config(cls, config) -> ModelInfo:
@@ -105,6 +106,10 @@ class Template:
                     plan[f"{parent}.{fused_name}"] = styles[0]
         return plan
 
+    def tp_refusal(self, config) -> str:
+        """Why this template cannot shard the model of ``config`` at all ("" when it can)."""
+        return ""
+
     def tp_divides(self, info: ModelInfo) -> tuple[int, ...]:
         """Sizes that tensor parallelism must divide (heads, KV heads, vocabulary, MLP width)."""
         return (info.heads, info.kv_heads, info.vocab, info.intermediate)
@@ -130,6 +135,8 @@ class Template:
         world, gb = workload.world_size, workload.global_batch
 
         def tp_choices(p: Point) -> list[int]:
+            if info.tp_refusal:
+                return [1]
             return [t for t in divisors(world) if all(d % t == 0 for d in self.tp_divides(info))]
 
         def pp_choices(p: Point) -> list[int]:
@@ -162,7 +169,8 @@ class Template:
             return interleaved if p["pipeline_schedule"] == "zb" else [1, *interleaved]
 
         knobs = [
-            Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)"),
+            Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)",
+                 limited_by=info.tp_refusal),
             Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides the layers and world/tp)"),
             Knob("sp", sp_choices, ("tp",), kind=str,
                  doc="sequence parallelism: norms, dropout and residuals on a sequence shard of the tp group "

@@ -28,6 +28,29 @@ def uncompared(reference: torch.nn.Module, compared_per_rank) -> list[str]:
     return [aliases[0] for aliases in names.values() if not covered & set(aliases)]
 
 
+TINY_DECODER = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=512, max_position_embeddings=128, bos_token_id=0, eos_token_id=2)
+
+
+def phi3_config(directory) -> str:
+    """A Phi-3-style decoder nobody wrote a template for, saved in ``directory``: its qkv_proj has
+    (4 + 2 x 2) x 16 = 128 outputs sliced at the config's offsets, its gate_up_proj 2 x 128 cut with chunk."""
+    import transformers
+
+    transformers.Phi3Config(intermediate_size=128, pad_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attention_dropout=0.0, **TINY_DECODER).save_pretrained(directory)
+    return str(directory)
+
+
+def glm_config(directory) -> str:
+    """A GLM decoder (separate Q, K, V; gate_up_proj 2 x 128 cut with chunk), saved in ``directory``."""
+    import transformers
+
+    transformers.GlmConfig(intermediate_size=128, pad_token_id=1, attention_dropout=0.0, **TINY_DECODER
+                           ).save_pretrained(directory)
+    return str(directory)
+
+
 def family_module(preset: str):
     return importlib.import_module(f"search_spaces.{FAMILIES[preset]}")
 

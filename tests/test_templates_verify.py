@@ -13,7 +13,7 @@ from slapo_tune.launch import launch
 from slapo_tune.problem import ProblemSpec
 from slapo_tune.space import format_point
 
-from _helpers import uncompared
+from _helpers import glm_config, phi3_config, uncompared
 from _template_workers import verify_points
 
 TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"]
@@ -54,8 +54,13 @@ def _run(world, cases):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_sampled_points_of_every_template_verify(world):
+def test_sampled_points_of_every_template_verify(world, tmp_path):
     cases = [c for preset in TINY for c in _points(preset, world, sample=True)]
+    if world == 2:  # and the generic template on fused projections: Phi-3's (tp=1 only), GLM's gate|up
+        phi3 = _points(phi3_config(tmp_path / "phi3"), world, sample=True)
+        glm = [c for c in _points(glm_config(tmp_path / "glm"), world, sample=True) if c[2]["tp"] == 2]
+        assert {c[2]["tp"] for c in phi3} == {1} and glm
+        cases += phi3[:1] + glm  # one of Phi-3's points (pp=1, dp=2) keeps the test short
     layouts = {(c[2]["tp"], c[2]["pp"]) for c in cases}
     assert len(layouts) == {1: 1, 2: 3, 4: 6}[world]
     _run(world, cases)

@@ -261,11 +261,14 @@ class ProbeRun(NamedTuple):
 def probe_tp(config, template: Template | None = None) -> int:
     """The tensor-parallel degree the probe measures what tensor parallelism divides at: the
     smallest above 1 that divides everything a block's tensor parallelism splits (the template's
-    sizes but the vocabulary, which the probe picks: heads, KV heads, MLP width); 0 if none."""
+    sizes but the vocabulary, which the probe picks: heads, KV heads, MLP width); 0 if none, or if
+    the template refuses tensor parallelism for this model (``Template.tp_refusal``)."""
     from dataclasses import replace
 
     from ..template import ModelInfo
 
+    if template is not None and template.tp_refusal(config):
+        return 0
     info = replace(ModelInfo.from_config(config), vocab=0)
     sizes = template.tp_divides(info) if template is not None else (info.heads, info.kv_heads, info.intermediate)
     return next((tp for tp in range(2, info.heads + 1) if all(n % tp == 0 for n in sizes)), 0)
@@ -513,7 +516,9 @@ def activation_probe(config, template: Template | None = None, fusion: bool = Fa
     fallbacks: list[str] = []
     tp = probe_tp(config, template) if template is not None else 0
     if template is not None and not tp:
-        fallbacks.append("tp: no degree above 1 divides the heads, KV heads and MLP width (no tensor-parallel split "
+        refusal = template.tp_refusal(config)
+        fallbacks.append(f"tp: the template offers tp=1 only ({refusal})" if refusal else
+                         "tp: no degree above 1 divides the heads, KV heads and MLP width (no tensor-parallel split "
                          "measured)")
     elif tp and dist.is_initialized():
         fallbacks.append(f"tp={tp}: not probed, this process is in a process group already (every tensor-parallel "
