@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +45,51 @@ class TrainConfig:
     init_from: str | None = None  # a Hugging Face checkpoint folder (save_pretrained)
     log_every: int = 1
     device: str | None = None  # cpu or cuda (None: cuda when every local rank can have a GPU, else cpu)
+    started_at: float | None = None  # when the command started (time.time()): set-up counts from there
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+@dataclass
+class Progress:
+    """What rank 0 tells a person while a job trains: elapsed time, an ETA, mean throughput, and
+    the throughput the schedule was tuned at beside it."""
+
+    steps: int  # steps this run will take (a resumed job: those left)
+    global_batch: int
+    tokens_per_batch: int
+    tuned: float | None = None  # samples/s measured when the schedule was tuned (its file's figure)
+    started: float = field(default_factory=time.monotonic)
+    done: int = 0
+    step_seconds: float = 0.0  # the steps' own time (timed_step), without checkpoint saves
+
+    def add(self, seconds: float) -> None:
+        self.done += 1
+        self.step_seconds += seconds
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.done * self.global_batch / self.step_seconds if self.step_seconds else 0.0
+
+    def _versus_tuned(self) -> str:
+        if not self.tuned:
+            return ""
+        return f", {100 * self.samples_per_s / self.tuned:.0f} % of the {self.tuned:.1f} samples/s it was tuned at"
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.done * (self.steps - self.done) if self.done else 0.0
+        return (f"mean {self.samples_per_s:.1f} samples/s{self._versus_tuned()} | elapsed {_clock(elapsed)}, "
+                f"ETA {_clock(left)}")
+
+    def summary(self, loss: float, setup_seconds: float) -> str:
+        return (f"done: {self.done} step(s) in {_clock(time.monotonic() - self.started)} after "
+                f"{setup_seconds:.1f} s of set-up, final loss {loss:.6f}; mean {self.samples_per_s:.1f} samples/s, "
+                f"{self.samples_per_s * self.tokens_per_batch / self.global_batch:.0f} tokens/s{self._versus_tuned()}")
 
 
 def checkpoint_files(folder: str) -> list[Path]:
@@ -102,6 +148,8 @@ def train_rank(ctx, config: TrainConfig) -> list[float]:
     from .apply import apply_schedule, load_schedule
     from .data import TrainingData
 
+    # set-up counts from the command's start (ranks spawned, libraries imported), else from here (torchrun)
+    begun = time.monotonic() - (time.time() - config.started_at if config.started_at else 0.0)
     rank = dist.get_rank()
     loaded = load_schedule(config.schedule, model=config.model, world_size=dist.get_world_size(),
                            allow_model_mismatch=config.allow_model_mismatch)
@@ -126,15 +174,24 @@ def train_rank(ctx, config: TrainConfig) -> list[float]:
         if rank == 0:
             print(f"resumed from {folder} at step {start}", flush=True)
     tokens = workload.global_batch * workload.seq_len
+    setup_seconds = time.monotonic() - begun  # building, scheduling, restoring: seconds a person otherwise waits blind
+    if rank == 0:
+        print(f"ready after {setup_seconds:.1f} s of set-up (model built, schedule applied"
+              f"{', checkpoint restored' if config.resume else ''})", flush=True)
+    progress = Progress(config.steps - start, workload.global_batch, tokens,
+                        (loaded.data.get("measured") or {}).get("samples_per_s"))
     for step in range(start, config.steps):
         loss, seconds, _ = session.timed_step(data.batch(step))
         losses.append(loss)
+        progress.add(seconds)
         if rank == 0 and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
             print(f"step {step + 1}/{config.steps} loss {loss:.6f} {workload.global_batch / seconds:.1f} "
-                  f"samples/s {tokens / seconds:.0f} tokens/s", flush=True)
+                  f"samples/s {tokens / seconds:.0f} tokens/s | {progress.line()}", flush=True)
         last = step + 1 == config.steps
         if config.save and (last or (config.save_every and (step + 1) % config.save_every == 0)):
             session.save(config.save, step + 1, {**meta, "losses": losses}, config.keep)
+    if rank == 0 and progress.done:
+        print(progress.summary(losses[-1], setup_seconds), flush=True)
     return losses
 
 

@@ -43,7 +43,7 @@ def _losses(stdout: str) -> dict[int, float]:
 
 
 def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32, precision: str = "fp32",
-              **knobs) -> Path:
+              measured: dict | None = None, **knobs) -> Path:
     point = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
              "attn": "sdpa", "fuse": "off", **knobs}
     world = point["tp"] * point["pp"] * point["dp"]
@@ -52,7 +52,7 @@ def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_
         template={"name": preset.split("-")[0], "version": "1"},
         plan=Plan.of(point, Workload(world, global_batch, seq_len, precision)), world_size=world,
         global_batch=global_batch, seq_len=seq_len, precision=precision, device="cpu",
-        model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)})
+        model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)}, measured=measured)
     write_schedule(path, schedule)
     return path
 
@@ -165,7 +165,8 @@ def test_a_bf16_parameter_schedule_trains_with_fp32_masters_and_resumes(tmp_path
 
 
 def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
-    schedule = _schedule(tmp_path / "s.json", dp=2, zero=3, ckpt_ratio=0.5)  # sharded params and optimizer
+    schedule = _schedule(tmp_path / "s.json", dp=2, zero=3, ckpt_ratio=0.5,  # sharded params and optimizer
+                         measured={"samples_per_s": 123.4})
     started = time.monotonic()
     whole = _cli("train", "--schedule", str(schedule), "--steps", "16", "--save", str(tmp_path / "a"))
     wall = time.monotonic() - started
@@ -173,6 +174,21 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
     # each step's printed throughput: more than the whole command's (start-up included), tokens = samples x 32
     rates = [(float(a), float(b)) for a, b in re.findall(r"([0-9.]+) samples/s ([0-9.]+) tokens/s", whole.stdout)]
     assert len(rates) == 16 and all(a > 8 / wall and b == pytest.approx(32 * a, rel=0.01, abs=1) for a, b in rates)
+    # what a person reads: the set-up (spawning ranks included), elapsed and ETA per step, and a
+    # summary whose mean is the steps' printed rates averaged over their time
+    setup = float(re.search(r"^ready after ([0-9.]+) s of set-up", whole.stdout, re.M).group(1))
+    assert 0 < setup < wall
+    clocks = re.findall(r"\| elapsed (\d+):(\d\d):(\d\d), ETA (\d+):(\d\d):(\d\d)$", whole.stdout, re.M)
+    assert len(clocks) == 16 and clocks[-1][3:] == ("0", "00", "00")
+    seconds = [3600 * int(h) + 60 * int(m) + int(s) for h, m, s, *_ in clocks]
+    assert seconds == sorted(seconds) and seconds[-1] <= wall - setup + 1
+    mean = 16 * 8 / sum(8 / a for a, _ in rates)
+    done = re.search(r"^done: 16 step\(s\) in \S+ after [0-9.]+ s of set-up, final loss ([0-9.]+); mean ([0-9.]+) "
+                     r"samples/s, \d+ tokens/s, (\d+) % of the 123.4 samples/s it was tuned at$", whole.stdout, re.M)
+    assert done, whole.stdout[-600:]
+    assert float(done.group(1)) == _losses(whole.stdout)[16]
+    assert float(done.group(2)) == pytest.approx(mean, rel=0.02)
+    assert int(done.group(3)) == round(100 * float(done.group(2)) / 123.4)
 
     cmd = [sys.executable, "-m", "slapo_tune", "train", "--schedule", str(schedule), "--steps", "16",
            "--save", str(tmp_path / "b"), "--save-every", "4"]
