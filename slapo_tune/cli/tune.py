@@ -155,9 +155,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"event": "done", **summary}, default=str))
     else:
         best = summary["best_point"]
+        infrastructure = (f", {summary['infrastructure']} infrastructure failure(s) (lost or not placed; "
+                          f"retried once)" if summary["infrastructure"] else "")
         print(f"done in {time.monotonic() - t0:.0f} s ({summary['stop']}): {summary['launched']} launched, "
-              f"{summary['pruned']} pruned, {summary['failed']} failed, {summary['duplicates']} repeat(s) answered "
-              f"from the study")
+              f"{summary['pruned']} pruned, {summary['failed']} failed{infrastructure}, {summary['duplicates']} "
+              f"repeat(s) answered from the study")
         if best:
             print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {out / 'best_schedule.json'}")
         else:

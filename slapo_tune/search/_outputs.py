@@ -210,6 +210,7 @@ def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: 
     statuses = [TrialStatus(s) for s in frame.status] if len(frame) else []
     launched, pruned = sum(s.launched for s in statuses), statuses.count(TrialStatus.PRUNED)
     failed = sum(s.failed for s in statuses)
+    infrastructure = sum(s.infrastructure for s in statuses)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>slapo-tune report</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}"
@@ -217,7 +218,7 @@ def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: 
         f"<h1>slapo-tune: {html.escape(problem.spec.model)} on {problem.spec.world_size} rank(s)</h1>",
         f"<p>study <b>{html.escape(study_name)}</b>, template {html.escape(problem.template.describe())}, "
         f"strategy {html.escape(strategy)}, budget {budget / 2**20:.0f} MiB per rank; "
-        f"{launched} launched, {pruned} pruned, {failed} failed.</p>",
+        f"{launched} launched, {pruned} pruned, {failed} failed, {infrastructure} infrastructure failure(s).</p>",
         f"<p>best: <b>{html.escape(str(best.user_attrs['point']))}</b> at {best.values[0]:.2f} samples/s</p>"
         if best else "<p>no point ran ok yet</p>",
     ]
