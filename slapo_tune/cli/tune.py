@@ -16,6 +16,7 @@ from ._common import (
     add_problem_arguments,
     device_of,
     hardware_of,
+    non_negative_int,
     positive_int,
     problem_spec,
 )
@@ -36,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
     p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
     p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
+    p.add_argument("--confirm", type=non_negative_int, default=3, metavar="N",
+                   help="at the end, measure the best trial and those within the noise of it (at most N) again, "
+                        "side by side in alternating rounds, and crown from that; 0: crown the best trial as "
+                        "measured (default: %(default)s)")
     p.add_argument("--knobs", default="",
                    help="hold knobs at values, e.g. tp=8,zero=3: the search explores the others (default: none)")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
@@ -69,6 +74,13 @@ class ProgressPrinter:
             print(json.dumps(event, default=str), flush=True)
             return
         if event["event"] == "launched":
+            return
+        if event["event"] in ("confirm", "confirmed"):
+            figure = f"{event['samples_per_s']:.2f} samples/s" if event.get("samples_per_s") else event.get("status")
+            what = (f"confirming trial {event['trial']}, round {event['round']}/{event['rounds']}"
+                    if event["event"] == "confirm" else
+                    f"crowned trial {event['trial']} of {event['candidates']} confirmed (spread {event['spread']:.1%})")
+            print(f"[confirm] {what} | {event['point']}: {figure}", file=self.stream, flush=True)
             return
         done = event["launched"]
         elapsed = event["elapsed"]
@@ -133,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                             strategy=args.strategy, objective=args.objective, storage=args.storage,
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
-                            trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins)
+                            trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins, confirm=args.confirm)
         printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
         tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
         storage = redact(args.storage) if args.storage else str(out / "study.journal")
@@ -160,7 +172,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"done in {time.monotonic() - t0:.0f} s ({summary['stop']}): {summary['launched']} launched, "
               f"{summary['pruned']} pruned, {summary['failed']} failed{infrastructure}, {summary['duplicates']} "
               f"repeat(s) answered from the study")
-        if best:
+        confirmed = summary["confirmed"]
+        if best and confirmed:
+            print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
+                  f"{len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; its trial measured "
+                  f"{confirmed['trial_samples_per_s']:.2f}) -> {out / 'best_schedule.json'}")
+        elif best:
             print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {out / 'best_schedule.json'}")
         else:
             print("no point ran ok: loosen --memory-budget or check the failures in trials.csv")

@@ -25,6 +25,7 @@ from ..errors import SlapoTuneError, UsageError
 from ..plan import TrialStatus
 from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
+from ._confirm import CONFIRM_ROUNDS
 from ._known import KnownReader, settled_status, trial_status
 from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
 
@@ -83,6 +84,10 @@ class TuneConfig:
     # knobs held at a value (``tune --knobs tp=8,zero=3``): the search explores the others (a
     # Tuner given a resolved problem takes it as pinned to these: Problem.pinned)
     knobs: dict[str, Any] = field(default_factory=dict)
+    # candidates measured again side by side before one is crowned (``tune --confirm N``; 0: off;
+    # see ._confirm), in this many alternating rounds of a trial's steps each
+    confirm: int = 3
+    confirm_rounds: int = CONFIRM_ROUNDS
 
     @property
     def multi_objective(self) -> bool:
@@ -454,6 +459,8 @@ class Tuner:
                 for future in done:
                     trial, point, predicted = self._in_flight.pop(future)
                     self._tell_result(trial, point, future.result(), predicted)
+            if stop not in ("time budget", "infrastructure failing"):  # no time left, or no cluster to run on
+                self._confirm()
             if self.outputs is not None:
                 self.outputs.finish(self.study)
         except OSError as exc:  # the disk is full or the folder read-only: stop, keep what is recorded
@@ -471,15 +478,50 @@ class Tuner:
         pool.shutdown(wait=True)
         return self.summary(stop or "trials")
 
+    # ------------------------------------------------------------------ confirm before crowning
+    def _confirm(self) -> None:
+        """Measure the candidates again side by side (see ._confirm) and record the confirmation in
+        the study; nothing to do when confirmation is off, for a Pareto front (nothing to crown),
+        or when the study's standing confirmation already covers the same candidates (a resumed
+        study that finished)."""
+        from ._confirm import RECORD, candidates, confirmation, recorded
+
+        limit, rounds = self.config.confirm, self.config.confirm_rounds
+        if limit < 1 or rounds < 1 or self.config.multi_objective:
+            return
+        chosen = candidates(self.study, limit)
+        standing = recorded(self.study)
+        if not chosen or (standing is not None and standing["candidates"] == [t.number for t in chosen]
+                          and standing["rounds"] == rounds):
+            return
+        runs: dict[int, list] = {t.number: [] for t in chosen}
+        for round_ in range(1, rounds + 1):  # A B C A B C ...: the machine's load falls on all alike
+            for t in chosen:
+                point = t.user_attrs["point"]
+                spec = replace(self.trial_spec(t.number, point), name=f"confirm-{t.number}-{round_}",
+                               confirm_round=round_)
+                result = self.runner.run(spec)
+                runs[t.number].append(result)
+                self._event("confirm", point, trial=t.number, round=round_, rounds=rounds,
+                            samples_per_s=result.samples_per_s, status=str(result.status))
+        record = confirmation(chosen, runs, self.problem.spec.global_batch, limit, rounds)
+        self.study.set_user_attr(RECORD, record)
+        if record["crowned"] is not None:
+            figures = record["figures"][str(record["crowned"])]
+            crowned = next(t for t in chosen if t.number == record["crowned"])
+            self._event("confirmed", crowned.user_attrs["point"], trial=crowned.number,
+                        samples_per_s=figures["samples_per_s"], spread=figures["spread"], candidates=len(chosen))
+
     def summary(self, stop: str) -> dict[str, Any]:
-        """The run's counts, and the best point of the whole study (other drivers' trials too)."""
-        from ._outputs import best_trial
+        """The run's counts, and the point crowned in the whole study (other drivers' trials too):
+        the confirmed one, with its confirmed figures, where the study's confirmation stands."""
+        from ._confirm import crowned
 
         p = self.progress
-        best = best_trial(self.study)
+        best, confirmed = crowned(self.study)
         return {"stop": stop, "launched": p.launched, "pruned": p.pruned, "failed": p.failed,
                 "infrastructure": p.infrastructure, "duplicates": p.duplicates,
-                "best": best.values[0] if best else None,
-                "best_point": best.user_attrs["point"] if best else None,
+                "best": (confirmed["samples_per_s"] if confirmed else best.values[0]) if best else None,
+                "best_point": best.user_attrs["point"] if best else None, "confirmed": confirmed,
                 "elapsed": time.monotonic() - p.started, "study": self.study.study_name,
                 "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}}
