@@ -98,13 +98,26 @@ def test_the_crowned_point_and_its_figures_come_from_the_confirmation(grid, tmp_
 @pytest.mark.parametrize("confirm,runs,crowned", [(0, 0, 1), (1, 3, 1), (2, 6, 2)])
 def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
     """--confirm 0 crowns the best trial as measured; --confirm 1 still measures it again (its
-    figure then comes from more steps); --confirm 2 the two fastest trials."""
-    tuner, runner, order = _tuner(grid, trials=5, confirm=confirm)
+    figure then comes from more steps); --confirm 2 the two fastest trials. The progress lines and
+    the summary's last line say what was confirmed."""
+    import io
+    from pathlib import Path
+
+    from slapo_tune.cli.tune import ProgressPrinter, best_line
+
+    stream = io.StringIO()
+    tuner, runner, order = _tuner(grid, trials=5, confirm=confirm, report=ProgressPrinter("bar", stream))
     summary = tuner.run()
     assert len(runner.confirm_order) == runs
     assert point_key(summary["best_point"]) == order[crowned]
     assert summary["best"] == pytest.approx((TRIAL if confirm == 0 else TRUE)[crowned])
     assert (summary["confirmed"] is None) == (confirm == 0)
+    lines = stream.getvalue().splitlines()
+    assert sum(line.startswith("[confirm] confirming trial") for line in lines) == runs
+    assert sum(line.startswith("[confirm] crowned trial") for line in lines) == (confirm > 0)
+    line = best_line(summary, Path("best_schedule.json"))
+    assert f"at {summary['best']:.2f} samples/s" in line
+    assert ("confirmed (median of 9 steps, spread 14.4%; its trial measured" in line) == (confirm > 0)
 
 
 def test_a_resumed_study_is_confirmed_again_only_when_its_candidates_changed(grid, tmp_path):

@@ -24,7 +24,7 @@ from slapo_tune.plan import KNOBS as PLAN_KNOBS
 from slapo_tune.schedule_file import read_schedule
 
 LAUNCHED = ("ok", "oom", "crash", "timeout")
-# no confirmation before crowning (three more Ray runs per candidate) except where a test asks for it
+# no confirmation before crowning (three more Ray runs per candidate: CI's time; test_confirm covers it)
 TUNE = ["--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8", "--seq-len", "32",
         "--memory-budget", "4MiB", "--measured-steps", "1", "--concurrency", "1", "--confirm", "0", "--quiet"]
 
@@ -103,8 +103,8 @@ def _dashboard_trial_names(out: Path, home: Path) -> set[str]:
 def test_tune_end_to_end(tmp_path, ray_tmp):
     out, mark = tmp_path / "study", uuid.uuid4().hex
     env = _env(tmp_path, mark, ray_tmp)
-    proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "4", "--confirm", "1",
-                             "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "4", "--out", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: set[str] = set()
     try:
         while proc.poll() is None and not seen:  # the running dashboard lists the trial actors by name
@@ -127,15 +127,12 @@ def test_tune_end_to_end(tmp_path, ray_tmp):
     schedule = read_schedule(out / "best_schedule.json")
     ok = frame[frame.status == "ok"]
     best = ok.loc[ok.samples_per_s.idxmax()]
-    # --confirm 1: the fastest trial measured again (3 rounds of its step) and crowned with that figure
-    assert frame.crowned.sum() == 1 and bool(best.crowned) and best.confirmed_throughput > 0
-    assert schedule["measured"]["confirmed"] and len(schedule["measured"]["step_times"]) == 3
-    assert schedule["measured"]["samples_per_s"] == pytest.approx(best.confirmed_throughput)
-    assert schedule["measured"]["trial_samples_per_s"] == pytest.approx(best.samples_per_s)
+    assert schedule["measured"]["samples_per_s"] == pytest.approx(best.samples_per_s)  # --confirm 0
+    assert frame.crowned.sum() == 1 and bool(best.crowned)
     assert {k: schedule["knobs"][k] for k in ("tp", "pp", "micro_batch")} == {k: int(best[k]) for k in ("tp", "pp", "micro_batch")}
     assert max(schedule["measured"]["peak_memory"]) <= 4 * 2**20
     assert "data:image/png;base64" in (out / "report.html").read_text()
-    assert "best:" in stdout and "confirmed (median of 3 steps" in stdout and "slapo-tune show" in stdout
+    assert "best:" in stdout and "slapo-tune show" in stdout
     _assert_nothing_left(mark)
     assert main(["show", str(out)]) == 0
 

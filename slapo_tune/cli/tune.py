@@ -92,6 +92,20 @@ class ProgressPrinter:
               file=self.stream, flush=True)
 
 
+def best_line(summary: dict, schedule: Path) -> str:
+    """The summary's line on the crowned point: its confirmed figure where it was confirmed."""
+    from ..space import format_point
+
+    best, confirmed = summary["best_point"], summary["confirmed"]
+    if best is None:
+        return "no point ran ok: loosen --memory-budget or check the failures in trials.csv"
+    if confirmed is None:
+        return f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {schedule}"
+    return (f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
+            f"{len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; its trial measured "
+            f"{confirmed['trial_samples_per_s']:.2f}) -> {schedule}")
+
+
 def _clock(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}m{s:02d}s"
@@ -166,21 +180,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json_lines:
         print(json.dumps({"event": "done", **summary}, default=str))
     else:
-        best = summary["best_point"]
         infrastructure = (f", {summary['infrastructure']} infrastructure failure(s) (lost or not placed; "
                           f"retried once)" if summary["infrastructure"] else "")
         print(f"done in {time.monotonic() - t0:.0f} s ({summary['stop']}): {summary['launched']} launched, "
               f"{summary['pruned']} pruned, {summary['failed']} failed{infrastructure}, {summary['duplicates']} "
               f"repeat(s) answered from the study")
-        confirmed = summary["confirmed"]
-        if best and confirmed:
-            print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
-                  f"{len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; its trial measured "
-                  f"{confirmed['trial_samples_per_s']:.2f}) -> {out / 'best_schedule.json'}")
-        elif best:
-            print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {out / 'best_schedule.json'}")
-        else:
-            print("no point ran ok: loosen --memory-budget or check the failures in trials.csv")
+        print(best_line(summary, out / "best_schedule.json"))
         print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
               f"optuna-dashboard {args.storage or 'journal:' + str(out / 'study.journal')})")
     return 0
