@@ -37,7 +37,8 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def _execute(self, spec: TrialSpec, point: dict[str, Any]) -> list[dict[str, Any]]:
         """Run :func:`~runners.trial.trial_rank` on every rank; return their reports by rank, or
-        raise :class:`~slapo_tune.launch.RankFailure` (kind ``crash`` or ``timeout``)."""
+        raise :class:`~slapo_tune.launch.RankFailure` (kind ``crash``, ``timeout``, or an
+        infrastructure failure: ``lost``, ``placement_timeout``)."""
 
     def cancel(self) -> None:  # noqa: B027 - a runner whose trials cannot outlive it
         """Kill every trial in flight now (Ctrl-C); their ``run`` calls return failures."""

@@ -18,10 +18,14 @@ from typing import Any
 from slapo_tune.device import NCCL_ENV, collective_timeout, default_concurrency, device_setup
 from slapo_tune.errors import UsageError
 from slapo_tune.launch import RankFailure
-from slapo_tune.plan import short_name
+from slapo_tune.plan import TrialStatus, short_name
 
 from ._base import Runner
 from .trial import TrialSpec, trial_rank
+
+# how long the other ranks are heard after a rank failed with only a peer's error: Ray's health
+# checks declare a node dead after about 30 s (a rank that simply died is reported in a second)
+LOST_RANK_GRACE = 60.0
 
 
 def actor_name(spec: TrialSpec, point: dict[str, Any], rank: int) -> str:
@@ -158,7 +162,8 @@ class RayRunner(Runner):
                 ray.get(group.ready(), timeout=min(self.placement_timeout, spec.time_limit))
             except GetTimeoutError:
                 raise RankFailure(f"the cluster cannot place {spec.world_size} bundles of {bundle} "
-                                  f"within {min(self.placement_timeout, spec.time_limit):.0f} s") from None
+                                  f"within {min(self.placement_timeout, spec.time_limit):.0f} s",
+                                  kind=TrialStatus.PLACEMENT_TIMEOUT.value) from None
             threads = max(1, int(bundle["CPU"]))
             for rank in range(spec.world_size):
                 actors.append(self._actor_class.options(
@@ -176,8 +181,9 @@ class RayRunner(Runner):
             except GetTimeoutError:
                 raise RankFailure(f"timed out after {spec.time_limit:.0f} s starting the rank actors",
                                   kind="timeout") from None
-            except RayActorError as exc:
-                raise RankFailure(f"a rank actor died while starting: {_first_line(exc)}") from None
+            except RayActorError as exc:  # before any of the schedule ran: the cluster's failure
+                raise RankFailure(f"a rank actor died while starting: {_reason(exc)}",
+                                  kind=TrialStatus.LOST.value) from None
             return self._collect(refs, deadline, spec.time_limit)
         finally:
             for actor in actors:
@@ -186,16 +192,25 @@ class RayRunner(Runner):
             remove_placement_group(group)
 
     @staticmethod
-    def _collect(refs: dict, deadline: float, limit: float) -> list[dict[str, Any]]:
-        import ray
+    def _collect(refs: dict, deadline: float, limit: float, ray=None) -> list[dict[str, Any]]:
+        """The ranks' reports by rank, or the RankFailure naming the trial's cause (``ray``: the
+        module, or a stand-in for tests). Once a rank failed, the others are heard for
+        FAILURE_GRACE; while every failure so far is a peer's error (a rank whose collective lost
+        its partner), for LOST_RANK_GRACE: Ray reports a rank whose node died only when its health
+        checks give up, well after the peers' "connection closed"."""
+        from slapo_tune.launch import FAILURE_GRACE, first_failure, is_peer_error
 
-        from slapo_tune.launch import FAILURE_GRACE, first_failure
+        if ray is None:
+            import ray
 
         results: dict[int, Any] = {}
         failures: list[RankFailure] = []
         pending = list(refs)
-        grace_end = None
+        grace_end = first_at = None
         while pending:
+            if failures:
+                own = any(not is_peer_error(f) for f in failures)
+                grace_end = first_at + (FAILURE_GRACE if own else LOST_RANK_GRACE)
             now = time.monotonic()
             if grace_end is not None and now >= grace_end:
                 break
@@ -211,7 +226,7 @@ class RayRunner(Runner):
                 outcome = _outcome(ray, ref, refs[ref])
                 if isinstance(outcome, RankFailure):
                     failures.append(outcome)
-                    grace_end = grace_end or time.monotonic() + FAILURE_GRACE
+                    first_at = first_at or time.monotonic()
                 else:
                     results[refs[ref]] = outcome
         if failures:
@@ -225,7 +240,9 @@ def _outcome(ray, ref, rank: int):
 
     try:
         message = ray.get(ref)
-    except RayActorError as exc:  # killed, or its node is gone
+    except RayActorError as exc:  # its process died (the schedule's crash), or its node is gone
+        if node_lost(exc):
+            return RankFailure(f"rank {rank} lost: {_reason(exc)}", rank=rank, kind=TrialStatus.LOST.value)
         return RankFailure(f"rank {rank} died: {_first_line(exc)}", rank=rank)
     if message[0] == "error":
         _, exc_type, text, details, when = message
@@ -254,6 +271,21 @@ def _placeable_share(ray, ranks: int, share: float) -> float:
         if candidate <= share and held(candidate) >= ranks:
             return candidate
     return share  # no GPU node listed: nothing to check against
+
+
+def node_lost(exc: BaseException) -> bool:
+    """Whether a rank actor's death is its node's (died, preempted, unreachable: the cluster's
+    failure) rather than its own process's (killed, crashed: the schedule's)."""
+    from ray.exceptions import ActorUnavailableError
+
+    return (isinstance(exc, ActorUnavailableError) or bool(getattr(exc, "preempted", False))
+            or "its node has died" in str(exc))  # GCS's words for an actor on a dead node
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of a Ray error that says why (a node's death is not on its first line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return next((line for line in lines if "node" in line.lower() and "died" in line.lower()), _first_line(exc))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,13 +15,17 @@ from .trial import TrialResult, TrialSpec
 
 class ReplayRunner(Runner):
     """Returns the recorded :class:`TrialResult` of each point; records every point it is asked
-    for in ``launched`` (so a test can check what a search would have run)."""
+    for in ``launched`` (so a test can check what a search would have run). A point measured
+    again (a spec's ``confirm_round`` > 0: the tuner's confirmation) gets the same recorded
+    answer, deterministically, and is recorded in ``remeasured`` instead: it is no trial of the
+    search."""
 
     name = "replay"
 
     def __init__(self, results: Iterable[TrialResult]):
         self.table = {point_key(r.knobs): r for r in results}
         self.launched: list[dict[str, Any]] = []
+        self.remeasured: list[tuple[dict[str, Any], int]] = []  # (point, confirmation round)
 
     def _execute(self, spec: TrialSpec, point: dict[str, Any]) -> list[dict[str, Any]]:
         raise NotImplementedError  # run() is overridden: nothing is executed
@@ -30,7 +34,10 @@ class ReplayRunner(Runner):
         from .trial import resolve
 
         _, point = resolve(spec)
-        self.launched.append(point)
+        if spec.confirm_round:
+            self.remeasured.append((point, spec.confirm_round))
+        else:
+            self.launched.append(point)
         recorded = self.table.get(point_key(point))
         if recorded is None:
             return TrialResult(status=TrialStatus.CRASH, knobs=point, error="no recorded result for this point", runner=self.name)

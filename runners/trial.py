@@ -40,6 +40,9 @@ class TrialSpec:
     time_limit: float = 300.0
     seed: int = 0
     name: str = "trial"
+    # 0: a trial of the search; k > 0: the k-th round of measuring a finished trial's point again
+    # (the tuner's confirmation before crowning), run exactly as a trial
+    confirm_round: int = 0
 
     @property
     def world_size(self) -> int:
@@ -122,17 +125,22 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- driver side
-def summarize(spec: TrialSpec, point: dict[str, Any], per_rank: list[dict[str, Any]], wall: float,
-              runner: str) -> TrialResult:
-    """Combine the ranks' reports: a step lasts as long as its slowest rank."""
-    steps = [max(r["times"][i] for r in per_rank) for i in range(spec.measured_steps)]
+def step_figures(steps: list[float]) -> tuple[float, float, float, float]:
+    """(median, p25, p75, spread) of step times, the spread being (p75 - p25) / median."""
     median = statistics.median(steps)
     if len(steps) >= 2:
         q = statistics.quantiles(steps, n=4, method="inclusive")
         p25, p75 = q[0], q[2]
     else:
         p25 = p75 = median
-    spread = (p75 - p25) / median if median else 0.0
+    return median, p25, p75, (p75 - p25) / median if median else 0.0
+
+
+def summarize(spec: TrialSpec, point: dict[str, Any], per_rank: list[dict[str, Any]], wall: float,
+              runner: str) -> TrialResult:
+    """Combine the ranks' reports: a step lasts as long as its slowest rank."""
+    steps = [max(r["times"][i] for r in per_rank) for i in range(spec.measured_steps)]
+    median, p25, p75, spread = step_figures(steps)
     wait = max(max(r["waits"]) for r in per_rank)
     warnings = []
     if spread > SPREAD_LIMIT:

@@ -26,7 +26,9 @@ from .errors import SlapoTuneError
 
 
 class RankFailure(SlapoTuneError, RuntimeError):
-    """A rank raised, died, or the ranks ran out of time."""
+    """A rank raised, died, or the ranks ran out of time. ``kind`` is the trial status it amounts
+    to (a :class:`slapo_tune.plan.TrialStatus` value): ``crash``, ``timeout``, or, where a cluster
+    failed rather than the schedule, ``lost`` or ``placement_timeout``."""
 
     def __init__(self, message: str, *, rank: int | None = None, kind: str = "crash",
                  exc_type: str = "", details: str = ""):
@@ -279,7 +281,7 @@ def _receive(ready, pending, procs, results) -> list[RankFailure]:
     return failures
 
 
-def _is_peer_error(failure: RankFailure) -> bool:
+def is_peer_error(failure: RankFailure) -> bool:
     """A rank that failed only because another one went away first."""
     text = str(failure)
     return failure.exc_type in ("DistBackendError", "DistNetworkError") or any(
@@ -298,8 +300,14 @@ def _root_failure(failures, pending, procs, results) -> RankFailure:
 
 
 def first_failure(failures: list[RankFailure]) -> RankFailure:
-    """The earliest failure, a rank's own error or death before peer errors."""
-    own = [f for f in failures if not _is_peer_error(f)]
+    """The failure that names the trial's cause: an out-of-memory error on any rank (its peers'
+    failures follow from it, whatever they say: a gloo "connection closed", a timeout of a
+    collective, an error text no rule knows), else the earliest of the ranks' own errors or deaths
+    before peer errors."""
+    oom = [f for f in failures if f.exc_type in OOM_TYPES]
+    if oom:
+        return min(oom, key=lambda f: f.when)
+    own = [f for f in failures if not is_peer_error(f)]
     return min(own or failures, key=lambda f: f.when)
 
 

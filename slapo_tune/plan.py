@@ -133,19 +133,30 @@ class TrialStatus(str, enum.Enum):
     OK = "ok"  # measured
     OOM = "oom"  # measured above the memory budget (or the allocator ran out)
     TIMEOUT = "timeout"  # killed at the trial's time limit
-    CRASH = "crash"  # a rank failed
+    CRASH = "crash"  # a rank failed: the schedule itself (its error, or its process died)
     INVALID = "invalid"  # the knobs are not a legal point
     PRUNED = "pruned"  # the cost model says it cannot fit: never launched
     DUPLICATE = "duplicate"  # asked again: answered from the study, never launched
     INTERRUPTED = "interrupted"  # in flight when the driver was killed: queued again
+    # infrastructure failures: the cluster failed, not the schedule, so nothing was learnt about the
+    # point; the point is queued again once (see ``infrastructure``)
+    LOST = "lost"  # a node or a rank actor went away mid-trial (node died, preempted, unreachable)
+    PLACEMENT_TIMEOUT = "placement_timeout"  # the cluster could not place the trial's ranks in time
 
     def __str__(self) -> str:
         return self.value
 
     @property
     def launched(self) -> bool:
-        """A runner ran it (whatever came of it)."""
+        """A runner ran it to an outcome of the schedule's own (whatever came of it): a trial of the
+        budget spent. An infrastructure failure is not one."""
         return self in (TrialStatus.OK, TrialStatus.OOM, TrialStatus.CRASH, TrialStatus.TIMEOUT)
+
+    @property
+    def infrastructure(self) -> bool:
+        """The cluster failed (not the schedule): retried once, later in the study or on resume;
+        neither infeasible nor a crash of the point."""
+        return self in (TrialStatus.LOST, TrialStatus.PLACEMENT_TIMEOUT)
 
     @property
     def failed(self) -> bool:

@@ -37,6 +37,8 @@ def test_verify_bad_knobs(capsys, argv, message):
     (["verify", "--model", "gpt2-tiny", "--world-size", "0"], "expected a positive integer, got 0"),
     (["space", "--world-size", "2"], "the following arguments are required: --model"),
     (["tune-everything"], "invalid choice: 'tune-everything'"),
+    (["tune", "--confirm", "-1"], "expected an integer of 0 or more, got -1"),
+    (["tune", "--confirm", "three"], "expected an integer of 0 or more, got 'three'"),
 ])
 def test_other_bad_input(capsys, argv, message):
     code, out, err = _run(capsys, *argv)

@@ -70,3 +70,13 @@ def test_rank_killed_on_ray_is_a_crash_and_the_next_trial_runs(ray_cluster):
     assert raised.status == "crash" and raised.error_rank == 1 and "injected failure" in raised.error
     after = runner.run(_spec(world_size=2, name="trial-after", measured_steps=1))
     assert after.status == "ok", (after.error, after.error_tail)
+
+
+def test_a_trial_the_cluster_cannot_place_is_a_placement_timeout(ray_cluster):
+    """8 bundles of a whole CPU on a cluster of 4: the cluster's failure, not the schedule's."""
+    from runners.ray_runner import RayRunner
+
+    runner = RayRunner(cpus_per_rank=1.0, placement_timeout=1.0)
+    result = runner.run(_spec(world_size=8, knobs={"tp": 2}, name="trial-unplaceable"))
+    assert result.status == "placement_timeout" and "cannot place 8 bundles" in result.error, result.error
+    assert result.status.infrastructure and not result.status.infeasible

@@ -24,8 +24,9 @@ from slapo_tune.plan import KNOBS as PLAN_KNOBS
 from slapo_tune.schedule_file import read_schedule
 
 LAUNCHED = ("ok", "oom", "crash", "timeout")
+# no confirmation before crowning (three more Ray runs per candidate: CI's time; test_confirm covers it)
 TUNE = ["--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8", "--seq-len", "32",
-        "--memory-budget", "4MiB", "--measured-steps", "1", "--concurrency", "1", "--quiet"]
+        "--memory-budget", "4MiB", "--measured-steps", "1", "--concurrency", "1", "--confirm", "0", "--quiet"]
 
 
 @pytest.fixture
@@ -126,7 +127,8 @@ def test_tune_end_to_end(tmp_path, ray_tmp):
     schedule = read_schedule(out / "best_schedule.json")
     ok = frame[frame.status == "ok"]
     best = ok.loc[ok.samples_per_s.idxmax()]
-    assert schedule["measured"]["samples_per_s"] == pytest.approx(best.samples_per_s)
+    assert schedule["measured"]["samples_per_s"] == pytest.approx(best.samples_per_s)  # --confirm 0
+    assert frame.crowned.sum() == 1 and bool(best.crowned)
     assert {k: schedule["knobs"][k] for k in ("tp", "pp", "micro_batch")} == {k: int(best[k]) for k in ("tp", "pp", "micro_batch")}
     assert max(schedule["measured"]["peak_memory"]) <= 4 * 2**20
     assert "data:image/png;base64" in (out / "report.html").read_text()

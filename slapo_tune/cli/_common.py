@@ -14,15 +14,24 @@ if TYPE_CHECKING:
 DEVICE_HELP = "where ranks run: cpu or cuda (default: cuda when torch.cuda.is_available(), else cpu)"
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
+def _int_from(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    return _int_from(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return _int_from(text, 0, "an integer of 0 or more")
 
 
 def add_problem_arguments(p: argparse.ArgumentParser, *, model: str | None = None, world_size: int | None = None,

@@ -16,6 +16,7 @@ from ._common import (
     add_problem_arguments,
     device_of,
     hardware_of,
+    non_negative_int,
     positive_int,
     problem_spec,
 )
@@ -36,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
     p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
     p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
+    p.add_argument("--confirm", type=non_negative_int, default=3, metavar="N",
+                   help="at the end, measure the best trial and those within the noise of it (at most N) again, "
+                        "side by side in alternating rounds, and crown from that; 0: crown the best trial as "
+                        "measured (default: %(default)s)")
     p.add_argument("--knobs", default="",
                    help="hold knobs at values, e.g. tp=8,zero=3: the search explores the others (default: none)")
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, help=f"{'|'.join(STRATEGIES)} (default: %(default)s)")
@@ -74,6 +79,13 @@ class ProgressPrinter:
             return
         if event["event"] == "launched":
             return
+        if event["event"] in ("confirm", "confirmed"):
+            figure = f"{event['samples_per_s']:.2f} samples/s" if event.get("samples_per_s") else event.get("status")
+            what = (f"confirming trial {event['trial']}, round {event['round']}/{event['rounds']}"
+                    if event["event"] == "confirm" else
+                    f"crowned trial {event['trial']} of {event['candidates']} confirmed (spread {event['spread']:.1%})")
+            print(f"[confirm] {what} | {event['point']}: {figure}", file=self.stream, flush=True)
+            return
         done = event["launched"]
         elapsed = event["elapsed"]
         eta = elapsed / done * (event["target"] - done) if done else 0.0
@@ -82,6 +94,20 @@ class ProgressPrinter:
         print(f"[{done:>3}/{event['target']}] pruned {event['pruned']} failed {event['failed']} | best {best} | "
               f"{_clock(elapsed)} elapsed, ~{_clock(eta)} left | {event['point']}: {what}",
               file=self.stream, flush=True)
+
+
+def best_line(summary: dict, schedule: Path) -> str:
+    """The summary's line on the crowned point: its confirmed figure where it was confirmed."""
+    from ..space import format_point
+
+    best, confirmed = summary["best_point"], summary["confirmed"]
+    if best is None:
+        return "no point ran ok: loosen --memory-budget or check the failures in trials.csv"
+    if confirmed is None:
+        return f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {schedule}"
+    return (f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
+            f"{len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; its trial measured "
+            f"{confirmed['trial_samples_per_s']:.2f}) -> {schedule}")
 
 
 def _clock(seconds: float) -> str:
@@ -137,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
                             strategy=args.strategy, objective=args.objective, storage=args.storage,
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
-                            trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins)
+                            trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins, confirm=args.confirm)
         printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
         tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
         storage = redact(args.storage) if args.storage else str(out / "study.journal")
@@ -158,14 +184,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json_lines:
         print(json.dumps({"event": "done", **summary}, default=str))
     else:
-        best = summary["best_point"]
+        infrastructure = (f", {summary['infrastructure']} infrastructure failure(s) (lost or not placed; "
+                          f"retried once)" if summary["infrastructure"] else "")
         print(f"done in {time.monotonic() - t0:.0f} s ({summary['stop']}): {summary['launched']} launched, "
-              f"{summary['pruned']} pruned, {summary['failed']} failed, {summary['duplicates']} repeat(s) answered "
-              f"from the study")
-        if best:
-            print(f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {out / 'best_schedule.json'}")
-        else:
-            print("no point ran ok: loosen --memory-budget or check the failures in trials.csv")
+              f"{summary['pruned']} pruned, {summary['failed']} failed{infrastructure}, {summary['duplicates']} "
+              f"repeat(s) answered from the study")
+        print(best_line(summary, out / "best_schedule.json"))
         print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
               f"optuna-dashboard {args.storage or 'journal:' + str(out / 'study.journal')})")
     return 0

@@ -4,7 +4,9 @@ launch, keeps up to C trials in flight on a runner, and rewrites the outputs aft
 Every asked point ends in exactly one of: *launched* (a runner measured it), *pruned* (the cost
 model says it cannot fit; never launched), *duplicate* (already known: answered from the study,
 never launched twice). Out-of-memory and pruned points are told to Optuna as infeasible
-(constraint > 0), so constraint-aware samplers stop proposing their neighbourhood.
+(constraint > 0), so constraint-aware samplers stop proposing their neighbourhood. A launch the
+cluster failed (``lost``, ``placement_timeout``) teaches nothing about the point: it is told as
+failed, not infeasible, spends no trial of the budget, and its point is queued again once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ..errors import SlapoTuneError, UsageError
 from ..plan import TrialStatus
 from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
-from ._known import KnownReader, trial_status
+from ._confirm import CONFIRM_ROUNDS
+from ._known import KnownReader, settled_status, trial_status
 from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
 
 if TYPE_CHECKING:
@@ -35,6 +38,9 @@ MAX_DUPLICATES = 3  # consecutive known points from a sampler before the driver 
 # how long a driver waits for an earlier-asked trial of another driver to name its point before
 # deciding a reservation without it (a driver killed between ask and naming leaves one for good)
 RESERVATION_WAIT = 10.0
+# infrastructure failures in a row, per trial in flight, after which the study stops: every point
+# is retried once, so a cluster that fails every trial would otherwise be asked forever
+INFRA_IN_A_ROW = 3
 
 
 def driver_alive(driver: str) -> bool | None:
@@ -78,6 +84,10 @@ class TuneConfig:
     # knobs held at a value (``tune --knobs tp=8,zero=3``): the search explores the others (a
     # Tuner given a resolved problem takes it as pinned to these: Problem.pinned)
     knobs: dict[str, Any] = field(default_factory=dict)
+    # candidates measured again side by side before one is crowned (``tune --confirm N``; 0: off;
+    # see ._confirm), in this many alternating rounds of a trial's steps each
+    confirm: int = 3
+    confirm_rounds: int = CONFIRM_ROUNDS
 
     @property
     def multi_objective(self) -> bool:
@@ -90,12 +100,15 @@ class TuneConfig:
 
 @dataclass
 class Progress:
-    """The counts every event reports: launched, pruned and failed trials over the whole study,
-    repeats and patience (``since_best``) over this run."""
+    """The counts every event reports: launched, pruned and failed trials and infrastructure
+    failures over the whole study, repeats, patience (``since_best``) and infrastructure failures
+    in a row over this run."""
 
     launched: int = 0
     pruned: int = 0
     failed: int = 0
+    infrastructure: int = 0  # lost / placement_timeout: not trials of the budget (retried once)
+    infrastructure_in_a_row: int = 0
     duplicates: int = 0
     best: float | None = None
     best_point: Point | None = None
@@ -104,7 +117,11 @@ class Progress:
 
     def count(self, status: TrialStatus, point: Point, value: float | None = None) -> None:
         """Count one told trial (``value``: its throughput when it ran ok)."""
-        if status.launched or status is TrialStatus.INVALID:  # a point the runner refused spent its trial too
+        if status.infrastructure:
+            self.infrastructure += 1
+            self.infrastructure_in_a_row += 1
+        elif status.launched or status is TrialStatus.INVALID:  # a point the runner refused spent its trial too
+            self.infrastructure_in_a_row = 0
             self.launched += 1
             self.failed += status.failed or status is TrialStatus.INVALID
             self.since_best += 1
@@ -218,7 +235,9 @@ class Tuner:
 
     def _recover(self, study: Study) -> None:
         """Count the study's trials so far. Trials left RUNNING by a killed driver are failed (they
-        then read as interrupted: see ``_known``) and their points queued again, once. A trial
+        then read as interrupted: see ``_known``) and their points queued again, once; so is the
+        point of an infrastructure failure whose retry was not queued yet (the driver stopped
+        between the two). A trial
         another driver still runs (on this host: its process exists; on another: it started less
         than twice the trial time limit ago) is left to it, and this driver's sampler is reseeded:
         drivers started together with one seed would otherwise propose the same points."""
@@ -241,14 +260,24 @@ class Tuner:
             if t.state == TrialState.RUNNING:
                 study.tell(t.number, state=TrialState.FAIL)
                 if point and t.number not in retried and "retry_of" not in t.user_attrs:
-                    study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": t.number})
+                    self._queue_retry(study, t.number, point)
                 continue
             status = trial_status(t)  # repeats count in their own run only; invalid points never did on resume
-            if point is not None and status is not None and (status.launched or status is TrialStatus.PRUNED):
+            if point is not None and status is not None and status.infrastructure and t.number not in retried \
+                    and "retry_of" not in t.user_attrs:
+                self._queue_retry(study, t.number, point)
+            if point is not None and status is not None and (status.launched or status.infrastructure
+                                                             or status is TrialStatus.PRUNED):
                 self.progress.count(status, point, t.values[0] if t.values else None)
         self.progress.since_best = 0  # patience counts this run's trials
+        self.progress.infrastructure_in_a_row = 0
         if others and hasattr(self.sampler, "reseed_rng"):
             self.sampler.reseed_rng()
+
+    def _queue_retry(self, study: Study, number: int, point: Point) -> None:
+        """Queue trial ``number``'s point again (asked before any new point), once: the retry names
+        the trial it retries, and a retry is never retried."""
+        study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": number})
 
     def _held_elsewhere(self, trial, other_live: bool, recent: float) -> bool:
         """A RUNNING ``trial`` another live driver runs (see :meth:`_recover`): its driver's
@@ -317,9 +346,8 @@ class Tuner:
             point = t.user_attrs.get("point")
             if point is None or point_key(point) != key:
                 continue
-            status = trial_status(t)
-            # a repeat or an interrupted trial (queued again) holds nothing
-            if t.state == TrialState.RUNNING or status not in (None, TrialStatus.DUPLICATE, TrialStatus.INTERRUPTED):
+            # a repeat, or a trial whose point is queued again (interrupted, an infrastructure failure), holds nothing
+            if t.state == TrialState.RUNNING or settled_status(t) is not None:
                 return False
         return True
 
@@ -345,6 +373,8 @@ class Tuner:
             values, constraint = self._infeasible_values(), 1.0
         self._tell(trial, point, status, values, constraint, attrs={"result": data, "predicted": predicted},
                    event={"result": data})
+        if status.infrastructure and "retry_of" not in trial.user_attrs:  # the cluster failed: once more, later
+            self._queue_retry(self.study, trial.number, point)
 
     def _tell(self, trial: Trial, point: Point, status: TrialStatus, values: list[float] | None,
               constraint: float | None, attrs: dict[str, Any] | None = None,
@@ -371,7 +401,7 @@ class Tuner:
     def _event(self, kind: str, point: Point, **extra) -> None:
         p = self.progress
         self.report({"event": kind, "point": format_point(point), "launched": p.launched, "pruned": p.pruned,
-                     "failed": p.failed, "duplicates": p.duplicates, "best": p.best,
+                     "failed": p.failed, "infrastructure": p.infrastructure, "duplicates": p.duplicates, "best": p.best,
                      "best_point": format_point(p.best_point) if p.best_point else None,
                      "elapsed": time.monotonic() - p.started, "target": self.config.trials, **extra})
 
@@ -391,6 +421,8 @@ class Tuner:
             return "time budget"
         if c.patience is not None and p.since_best >= c.patience:
             return "no improvement"
+        if p.infrastructure_in_a_row >= INFRA_IN_A_ROW * max(1, c.concurrency):
+            return "infrastructure failing"
         return None
 
     def run(self) -> dict[str, Any]:
@@ -427,6 +459,8 @@ class Tuner:
                 for future in done:
                     trial, point, predicted = self._in_flight.pop(future)
                     self._tell_result(trial, point, future.result(), predicted)
+            if stop not in ("time budget", "infrastructure failing"):  # no time left, or no cluster to run on
+                self._confirm()
             if self.outputs is not None:
                 self.outputs.finish(self.study)
         except OSError as exc:  # the disk is full or the folder read-only: stop, keep what is recorded
@@ -444,14 +478,50 @@ class Tuner:
         pool.shutdown(wait=True)
         return self.summary(stop or "trials")
 
+    # ------------------------------------------------------------------ confirm before crowning
+    def _confirm(self) -> None:
+        """Measure the candidates again side by side (see ._confirm) and record the confirmation in
+        the study; nothing to do when confirmation is off, for a Pareto front (nothing to crown),
+        or when the study's standing confirmation already covers the same candidates (a resumed
+        study that finished)."""
+        from ._confirm import RECORD, candidates, confirmation, recorded
+
+        limit, rounds = self.config.confirm, self.config.confirm_rounds
+        if limit < 1 or rounds < 1 or self.config.multi_objective:
+            return
+        chosen = candidates(self.study, limit)
+        standing = recorded(self.study)
+        if not chosen or (standing is not None and standing["candidates"] == [t.number for t in chosen]
+                          and standing["rounds"] == rounds):
+            return
+        runs: dict[int, list] = {t.number: [] for t in chosen}
+        for round_ in range(1, rounds + 1):  # A B C A B C ...: the machine's load falls on all alike
+            for t in chosen:
+                point = t.user_attrs["point"]
+                spec = replace(self.trial_spec(t.number, point), name=f"confirm-{t.number}-{round_}",
+                               confirm_round=round_)
+                result = self.runner.run(spec)
+                runs[t.number].append(result)
+                self._event("confirm", point, trial=t.number, round=round_, rounds=rounds,
+                            samples_per_s=result.samples_per_s, status=str(result.status))
+        record = confirmation(chosen, runs, self.problem.spec.global_batch, limit, rounds)
+        self.study.set_user_attr(RECORD, record)
+        if record["crowned"] is not None:
+            figures = record["figures"][str(record["crowned"])]
+            crowned = next(t for t in chosen if t.number == record["crowned"])
+            self._event("confirmed", crowned.user_attrs["point"], trial=crowned.number,
+                        samples_per_s=figures["samples_per_s"], spread=figures["spread"], candidates=len(chosen))
+
     def summary(self, stop: str) -> dict[str, Any]:
-        """The run's counts, and the best point of the whole study (other drivers' trials too)."""
-        from ._outputs import best_trial
+        """The run's counts, and the point crowned in the whole study (other drivers' trials too):
+        the confirmed one, with its confirmed figures, where the study's confirmation stands."""
+        from ._confirm import crowned
 
         p = self.progress
-        best = best_trial(self.study)
+        best, confirmed = crowned(self.study)
         return {"stop": stop, "launched": p.launched, "pruned": p.pruned, "failed": p.failed,
-                "duplicates": p.duplicates, "best": best.values[0] if best else None,
-                "best_point": best.user_attrs["point"] if best else None,
+                "infrastructure": p.infrastructure, "duplicates": p.duplicates,
+                "best": (confirmed["samples_per_s"] if confirmed else best.values[0]) if best else None,
+                "best_point": best.user_attrs["point"] if best else None, "confirmed": confirmed,
                 "elapsed": time.monotonic() - p.started, "study": self.study.study_name,
                 "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}}

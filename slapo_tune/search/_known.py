@@ -5,6 +5,8 @@ Every trial the driver asks carries its point (user attribute ``point``) and, on
 ended (``status``). A trial failed by a resumed driver because a killed one left it running has a
 point and no status: it reads as :attr:`TrialStatus.INTERRUPTED` (it is failed through Optuna's
 public ``Study.tell``, which cannot set attributes on a trial the driver did not ask itself).
+An infrastructure failure (``lost``, ``placement_timeout``) leaves its point unknown until the
+retry queued for it ends; a retry's infrastructure failure settles it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ def trial_status(trial: FrozenTrial) -> TrialStatus | None:
     if trial.state.is_finished() and "point" in trial.user_attrs:
         return TrialStatus.INTERRUPTED
     return None
+
+
+def settled_status(trial: FrozenTrial) -> TrialStatus | None:
+    """How ``trial`` settled its point; None when it did not: it runs or waits, it was a repeat
+    (answered from an earlier trial), or its point is queued again (an interrupted trial, or an
+    infrastructure failure that is not itself a retry: its retry settles the point)."""
+    status = trial_status(trial)
+    if status in (None, TrialStatus.DUPLICATE, TrialStatus.INTERRUPTED):
+        return None
+    if status.infrastructure and "retry_of" not in trial.user_attrs:
+        return None
+    return status
 
 
 @dataclass(frozen=True)
@@ -80,9 +94,9 @@ class KnownReader:
     def _learn(self, t: FrozenTrial) -> None:
         from optuna.trial import TrialState
 
-        status, point = trial_status(t), t.user_attrs.get("point")
-        if point is None or status in (None, TrialStatus.INTERRUPTED, TrialStatus.DUPLICATE):
-            return  # a repeat teaches nothing new; an interrupted point is unknown (it is queued again)
+        status, point = settled_status(t), t.user_attrs.get("point")
+        if point is None or status is None:
+            return  # a repeat teaches nothing new; a point queued again is unknown until its retry ends
         key = point_key(point)
         self._status[key] = status
         if t.state == TrialState.COMPLETE:

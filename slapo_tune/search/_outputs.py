@@ -2,7 +2,8 @@
 driver loses nothing that was told, and a resumed one rewrites the same files.
 
 - ``trials.csv`` (and ``trials.parquet`` where pyarrow is installed): one row per trial;
-- ``best_schedule.json``: the best measured point as a schedule file;
+- ``best_schedule.json``: the crowned point as a schedule file (the fastest confirmed one where the
+  study's confirmation stands, see ``._confirm``; else the fastest trial);
 - ``report.html`` (self-contained, images inlined) with the PNGs beside it.
 """
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .._atomic import atomic_write, atomic_write_text
 from ..plan import TrialStatus
 from ..schedule_file import make_schedule, write_schedule
+from ._confirm import crowned, recorded
 from ._known import trial_status
 
 if TYPE_CHECKING:
@@ -29,6 +31,11 @@ PLOTS = ("best_so_far", "throughput_by_knob", "memory_predicted_vs_measured", "p
 
 
 def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
+    """One row per trial; ``confirmed_*`` from the standing confirmation (its candidates only) and
+    ``crowned`` on the trial ``best_schedule.json`` holds."""
+    record = recorded(study)
+    figures = record["figures"] if record else {}
+    best, _ = crowned(study)
     rows = []
     budget = (study.user_attrs.get("context") or {}).get("memory_budget")  # per rank, what pruning held points to
     for t in study.get_trials(deepcopy=False):
@@ -51,7 +58,10 @@ def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
                "wait_fraction": result.get("wait_fraction"), "wall_s": result.get("wall_seconds"),
                "overhead_s": result.get("overhead_seconds"),
                "reason": t.user_attrs.get("reason") or result.get("error") or "",
-               "warnings": "; ".join(result.get("warnings") or []), "retry_of": t.user_attrs.get("retry_of")}
+               "warnings": "; ".join(result.get("warnings") or []), "retry_of": t.user_attrs.get("retry_of"),
+               "confirmed_throughput": figures.get(str(t.number), {}).get("samples_per_s"),
+               "confirmed_spread": figures.get(str(t.number), {}).get("spread"),
+               "crowned": best is not None and t.number == best.number}
         rows.append(row)
     return rows
 
@@ -60,15 +70,6 @@ def _median(values):
     import statistics
 
     return statistics.median(values) if values else None
-
-
-def best_trial(study: Study) -> FrozenTrial | None:
-    """The fastest trial that ran ``ok``, or None."""
-    best = None
-    for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("status") == TrialStatus.OK and t.values and (best is None or t.values[0] > best.values[0]):
-            best = t
-    return best
 
 
 REPORT_INTERVAL = 15.0  # seconds between report redraws while a study runs (plots cost ~1 s)
@@ -82,7 +83,7 @@ class Outputs:
 
     def __init__(self, out: Path, problem: Problem, strategy: str) -> None:
         self.out, self.problem, self.strategy = out, problem, strategy
-        self._schedule_written: int | None = None  # the number of the trial best_schedule.json holds
+        self._schedule_written: tuple | None = None  # the trial best_schedule.json holds, and its confirmed figures
         self._report_written: float | None = None  # when (time.monotonic) the report was last drawn
         self._report_seconds = 0.0  # how long drawing it took
 
@@ -106,34 +107,42 @@ class Outputs:
             atomic_write(self.out / "trials.parquet", lambda tmp: frame.to_parquet(tmp, index=False))
         except ImportError:
             pass
-        best = best_trial(study)
-        if best is not None and self._schedule_written != best.number:
-            write_schedule(self.out / "best_schedule.json", schedule_of(self.problem, study.study_name, best))
-            self._schedule_written = best.number
+        best, confirmed = crowned(study)
+        if best is not None and self._schedule_written != (best.number, confirmed):
+            write_schedule(self.out / "best_schedule.json", schedule_of(self.problem, study.study_name, best, confirmed))
+            self._schedule_written = (best.number, confirmed)
         now = time.monotonic()
         # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
         interval = max(REPORT_INTERVAL, self._report_seconds / REPORT_SHARE)
         if final or self._report_written is None or now - self._report_written >= interval:
-            write_report(self.out, frame, self.problem, study.study_name, self.strategy, best)
+            write_report(self.out, frame, self.problem, study.study_name, self.strategy, best, confirmed)
             self._report_written, self._report_seconds = now, time.monotonic() - now
 
 
-def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial) -> dict[str, Any]:
+def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
+                confirmed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The schedule file of ``trial``'s point; its measured figures are the confirmation's
+    (``confirmed``: the median of every confirmed step, their spread, and the trial's own figure
+    beside them) where it was confirmed."""
     from ..models import config_fingerprint
 
     plan = problem.plan(trial.user_attrs["point"])
     result = trial.user_attrs.get("result") or {}
     predicted = trial.user_attrs.get("predicted") or {}
     p = problem.spec
+    measured = {"samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
+                "peak_memory": result.get("peak_memory"), "peak_reserved": result.get("peak_reserved"),
+                "step_times": result.get("step_times"), "spread": result.get("spread"), "trial": trial.number}
+    if confirmed is not None:
+        measured.update(samples_per_s=confirmed["samples_per_s"], tokens_per_s=confirmed["samples_per_s"] * p.seq_len,
+                        step_times=confirmed["step_times"], spread=confirmed["spread"], confirmed=True,
+                        trial_samples_per_s=result.get("samples_per_s"))
     return make_schedule(
         template={"name": problem.template.name, "version": str(problem.template.version)}, plan=plan,
         world_size=p.world_size, global_batch=p.global_batch, seq_len=p.seq_len, precision=p.precision, device=p.device,
         model={"name": p.model, "overrides": dict(p.model_overrides),
                "fingerprint": config_fingerprint(problem.config)},
-        measured={"samples_per_s": result.get("samples_per_s"), "tokens_per_s": result.get("tokens_per_s"),
-                  "peak_memory": result.get("peak_memory"), "peak_reserved": result.get("peak_reserved"),
-                  "step_times": result.get("step_times"),
-                  "trial": trial.number},
+        measured=measured,
         predicted={"peak_memory": predicted.get("peak"), "step_seconds": predicted.get("step_s")},
         study=study_name,
     )
@@ -205,12 +214,13 @@ def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
 
 
 def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: str,
-                 best: FrozenTrial | None) -> None:
+                 best: FrozenTrial | None, confirmed: dict[str, Any] | None = None) -> None:
     budget = problem.spec.memory_budget
     plots = _plots(out, frame, problem.space.names, budget)
     statuses = [TrialStatus(s) for s in frame.status] if len(frame) else []
     launched, pruned = sum(s.launched for s in statuses), statuses.count(TrialStatus.PRUNED)
     failed = sum(s.failed for s in statuses)
+    infrastructure = sum(s.infrastructure for s in statuses)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>slapo-tune report</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}"
@@ -218,9 +228,12 @@ def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: 
         f"<h1>slapo-tune: {html.escape(problem.spec.model)} on {problem.spec.world_size} rank(s)</h1>",
         f"<p>study <b>{html.escape(study_name)}</b>, template {html.escape(problem.template.describe())}, "
         f"strategy {html.escape(strategy)}, budget {budget / 2**20:.0f} MiB per rank; "
-        f"{launched} launched, {pruned} pruned, {failed} failed.</p>",
+        f"{launched} launched, {pruned} pruned, {failed} failed, {infrastructure} infrastructure failure(s).</p>",
         f"<p>best: <b>{html.escape(str(best.user_attrs['point']))}</b> at {best.values[0]:.2f} samples/s</p>"
-        if best else "<p>no point ran ok yet</p>",
+        if best and not confirmed else
+        f"<p>crowned: <b>{html.escape(str(best.user_attrs['point']))}</b> at {confirmed['samples_per_s']:.2f} "
+        f"samples/s confirmed ({len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; the "
+        f"trial measured {best.values[0]:.2f})</p>" if best else "<p>no point ran ok yet</p>",
     ]
     for name in plots:
         data = base64.b64encode((out / f"{name}.png").read_bytes()).decode()

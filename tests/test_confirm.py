@@ -1,0 +1,167 @@
+"""Confirm before crowning: the trials within the noise of the best are measured again through the
+tuner's runner, side by side in alternating rounds, and the crowned point and its figures come
+from that confirmation (the trials table and best_schedule.json say so); a resumed study whose
+candidates are unchanged is not confirmed again, one whose new trials changed them is.
+Replayed studies (scripted throughputs), no training."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pandas as pd
+import pytest
+
+from benchmarks.search_strategies import load_grid, replay_tuner
+from runners.replay import ReplayRunner
+from slapo_tune.plan import TrialStatus
+from slapo_tune.schedule_file import read_schedule
+from slapo_tune.space import point_key
+
+# the grid strategy launches the space's points in order: point i measures TRIAL[i] samples/s as a
+# trial; measured again it measures TRUE[i]. Trial 1 was lucky: within 3 % of it are trials 2 and
+# 4, and measured again trial 2 is the fastest.
+TRIAL = [10.0, 20.0, 19.7, 12.0, 19.5]
+TRUE = [10.0, 18.0, 19.0, 12.0, 18.5]
+ROUND_FACTOR = {1: 1.1, 2: 1.0, 3: 0.95}  # the machine's load, round by round: the median round is TRUE
+# the spread of a confirmation's pooled steps: its quartiles are the fastest and slowest rounds' steps
+SPREAD = (1 / 0.95 - 1 / 1.1) / 1.0
+
+
+@pytest.fixture(scope="module")
+def grid():
+    return load_grid()
+
+
+class _Lucky(ReplayRunner):
+    """Answers scripted throughputs by point (see TRIAL and TRUE), with step times to match, and
+    records the order of the confirmation's runs as (point index, round)."""
+
+    def __init__(self, results, order: list[str], trial: dict[str, float], true: dict[str, float]):
+        super().__init__(results)
+        self.index = {key: i for i, key in enumerate(order)}
+        self.trial, self.true = trial, true
+        self.confirm_order: list[tuple[int, int]] = []
+
+    def run(self, spec):
+        recorded = super().run(spec)
+        point = self.remeasured[-1][0] if spec.confirm_round else self.launched[-1]
+        key = point_key(point)
+        if spec.confirm_round:
+            self.confirm_order.append((self.index[key], spec.confirm_round))
+        speed = self.true[key] * ROUND_FACTOR[spec.confirm_round] if spec.confirm_round else self.trial[key]
+        steps = [spec.problem.global_batch / speed] * spec.measured_steps
+        return dataclasses.replace(recorded, status=TrialStatus.OK, knobs=point, samples_per_s=speed, step_times=steps,
+                                   spread=0.0, error="")
+
+
+def _tuner(grid, trials: int, trial_speeds=TRIAL, true_speeds=TRUE, **config):
+    results, budget = grid
+    tuner, _ = replay_tuner("grid", 0, "none", results, budget, trials=1)  # the space's order
+    order = [point_key(p) for p in itertools.islice(tuner.space.enumerate(), len(trial_speeds))]
+    runner = _Lucky(results, order, dict(zip(order, trial_speeds)), dict(zip(order, true_speeds)))
+    tuner, _ = replay_tuner("grid", 0, "none", results, budget, trials=trials, runner=runner, **config)
+    return tuner, runner, order
+
+
+def test_the_crowned_point_and_its_figures_come_from_the_confirmation(grid, tmp_path, monkeypatch):
+    from slapo_tune.search import _outputs
+
+    tuner, runner, order = _tuner(grid, trials=5)
+    summary = tuner.run()
+    # the three candidates, alternating, three rounds of a trial's steps each: more steps than a trial
+    assert runner.confirm_order == [(i, r) for r in (1, 2, 3) for i in (1, 2, 4)]
+    assert len(runner.launched) == summary["launched"] == 5  # confirmation runs are no trials of the search
+    assert point_key(summary["best_point"]) == order[2] and summary["best"] == pytest.approx(19.0)
+    confirmed = summary["confirmed"]
+    assert len(confirmed["step_times"]) == 3 * tuner.config.measured_steps
+    assert confirmed["spread"] == pytest.approx(SPREAD)
+    assert confirmed["trial_samples_per_s"] == pytest.approx(19.7)
+
+    monkeypatch.setattr(_outputs, "write_report", lambda *args: None)  # the plots are not what this checks
+    _outputs.Outputs(tmp_path, tuner.problem, "grid").finish(tuner.study)
+    frame = pd.read_csv(tmp_path / "trials.csv")
+    frame["key"] = [point_key({k: row[k] for k in tuner.space.names}) for _, row in frame.iterrows()]
+    by_key = frame.set_index("key")
+    assert by_key.loc[order[1], "confirmed_throughput"] == pytest.approx(18.0)
+    assert by_key.loc[order[4], "confirmed_throughput"] == pytest.approx(18.5)
+    assert by_key.loc[order[0], "confirmed_throughput"] != by_key.loc[order[0], "confirmed_throughput"]  # NaN
+    assert by_key.loc[order[2], "confirmed_spread"] == pytest.approx(SPREAD)
+    assert frame.crowned.sum() == 1 and bool(by_key.loc[order[2], "crowned"])
+    schedule = read_schedule(tmp_path / "best_schedule.json")
+    assert point_key(schedule["knobs"]) == order[2]
+    measured = schedule["measured"]
+    assert measured["confirmed"] and measured["samples_per_s"] == pytest.approx(19.0)
+    assert measured["trial_samples_per_s"] == pytest.approx(19.7) and len(measured["step_times"]) == 9
+
+
+@pytest.mark.parametrize("confirm,runs,crowned", [(0, 0, 1), (1, 3, 1), (2, 6, 2)])
+def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
+    """--confirm 0 crowns the best trial as measured; --confirm 1 still measures it again (its
+    figure then comes from more steps); --confirm 2 the two fastest trials. The progress lines and
+    the summary's last line say what was confirmed."""
+    import io
+    from pathlib import Path
+
+    from slapo_tune.cli.tune import ProgressPrinter, best_line
+
+    stream = io.StringIO()
+    tuner, runner, order = _tuner(grid, trials=5, confirm=confirm, report=ProgressPrinter("bar", stream))
+    summary = tuner.run()
+    assert len(runner.confirm_order) == runs
+    assert point_key(summary["best_point"]) == order[crowned]
+    assert summary["best"] == pytest.approx((TRIAL if confirm == 0 else TRUE)[crowned])
+    assert (summary["confirmed"] is None) == (confirm == 0)
+    lines = stream.getvalue().splitlines()
+    assert sum(line.startswith("[confirm] confirming trial") for line in lines) == runs
+    assert sum(line.startswith("[confirm] crowned trial") for line in lines) == (confirm > 0)
+    line = best_line(summary, Path("best_schedule.json"))
+    assert f"at {summary['best']:.2f} samples/s" in line
+    assert ("confirmed (median of 9 steps, spread 14.4%; its trial measured" in line) == (confirm > 0)
+
+
+def test_a_resumed_study_is_confirmed_again_only_when_its_candidates_changed(grid, tmp_path):
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    first, runner, order = _tuner(grid, trials=5, storage=storage, study="s")
+    first.run()
+    assert len(runner.confirm_order) == 9
+    # resumed, finished: the standing confirmation covers the same candidates
+    again, runner, _ = _tuner(grid, trials=5, storage=storage, study="s")
+    summary = again.run()
+    assert runner.confirm_order == [] and runner.launched == []
+    assert point_key(summary["best_point"]) == order[2] and summary["best"] == pytest.approx(19.0)
+    # a longer study: its 7th point measures faster than every trial so far, the candidates change;
+    # unconfirmed (--confirm 0), the old confirmation no longer stands: the fastest trial is crowned
+    speeds = dict(trial_speeds=[*TRIAL, 11.0, 30.0], true_speeds=[*TRUE, 11.0, 29.0])
+    more, runner, order = _tuner(grid, trials=7, storage=storage, study="s", confirm=0, **speeds)
+    summary = more.run()
+    assert runner.confirm_order == [] and len(runner.launched) == 2
+    assert point_key(summary["best_point"]) == order[6] and summary["best"] == 30.0 and summary["confirmed"] is None
+    # resumed with confirmation: the new candidate alone is within the noise of itself
+    confirmed, runner, order = _tuner(grid, trials=7, storage=storage, study="s", **speeds)
+    summary = confirmed.run()
+    assert runner.confirm_order == [(6, 1), (6, 2), (6, 3)] and runner.launched == []
+    assert point_key(summary["best_point"]) == order[6] and summary["best"] == pytest.approx(29.0)
+
+
+def test_guided_stops_early_then_confirms_and_a_resume_neither_searches_nor_confirms_again(grid):
+    """The default strategy on the replayed grid's tp=2 points (answers as recorded, again when
+    measured again): it stops early (11 of 50 points), confirms, and crowns the fastest recorded
+    point it measured; resumed, the finished study launches nothing and confirms nothing."""
+    import tempfile
+
+    results, budget = grid
+    with tempfile.TemporaryDirectory() as tmp:
+        storage = f"journal:{tmp}/study.journal"
+        tuner, runner = replay_tuner("guided", 0, "none", results, budget, trials=60, storage=storage, study="s",
+                                     knobs={"tp": 2})
+        summary = tuner.run()
+        assert tuner.sampler.stopped_early and summary["stop"] == "space exhausted" and summary["launched"] < 50
+        recorded = {point_key(r.knobs): r.samples_per_s for r in results if r.status == "ok"}
+        measured = [recorded[point_key(p)] for p in runner.launched if point_key(p) in recorded]
+        assert runner.remeasured and summary["best"] == pytest.approx(max(measured))  # the replay is deterministic
+        again, rerun = replay_tuner("guided", 0, "none", results, budget, trials=60, storage=storage, study="s",
+                                    knobs={"tp": 2})
+        resumed = again.run()
+        assert rerun.launched == [] and rerun.remeasured == []
+        assert resumed["best_point"] == summary["best_point"] and resumed["best"] == summary["best"]
