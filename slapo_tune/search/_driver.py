@@ -447,11 +447,14 @@ class Tuner:
     def summary(self, stop: str) -> dict[str, Any]:
         """The run's counts, and the best point of the whole study (other drivers' trials too)."""
         from ._outputs import best_trial
+        from ._storage import redact
 
         p = self.progress
         best = best_trial(self.study)
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}
+        if self.config.storage:  # the summary is printed (the done event): never the storage's password
+            config["storage"] = redact(self.config.storage, self.config.storage)
         return {"stop": stop, "launched": p.launched, "pruned": p.pruned, "failed": p.failed,
                 "duplicates": p.duplicates, "best": best.values[0] if best else None,
                 "best_point": best.user_attrs["point"] if best else None,
-                "elapsed": time.monotonic() - p.started, "study": self.study.study_name,
-                "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}}
+                "elapsed": time.monotonic() - p.started, "study": self.study.study_name, "config": config}
