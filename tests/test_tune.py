@@ -169,6 +169,8 @@ def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
     (["--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
     (["--storage", "nosuchdb://user:hunter2@host/db"], "cannot open storage nosuchdb://user:***@host/db"),
     (["--storage", "not-a-url"], "unreadable storage URL 'not-a-url'"),
+    (["--storage-file", "/no/such/file"], "cannot read the storage file /no/such/file: No such file or directory"),
+    (["--storage", "sqlite:///a.db", "--storage-file", "f"], "argument --storage-file: not allowed with argument --storage"),
     (["--memory-budget", "4XB"], "unparsable size '4XB'"),
     (["--strategy", "simulated-annealing"], "unknown strategy 'simulated-annealing'"),
     (["--knobs", "tp=3"], "tp=3 is not legal for this model and world; legal values: 1, 2"),
