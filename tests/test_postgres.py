@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -57,24 +58,25 @@ def _study_trials(postgres, database: str) -> dict[int, str]:
     return {number: str(state) for number, state in rows}
 
 
-def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_path, postgres, monkeypatch, capsys):
+def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_path, postgres, monkeypatch, capfd):
     url = postgres.create_database("tune_resume")
     secret_dir, logs, out = tmp_path / "secret", tmp_path / "logs", tmp_path / "out"
-    secret_dir.mkdir()
-    logs.mkdir()
     storage_file = secret_dir / "storage.url"
-    storage_file.write_text(f"# the study's database\n{url}\n")
     cache = tmp_path / "cache"  # whatever the runs write, they write under tmp_path: grep sees it all
     shutil.copytree(os.environ["SLAPO_TUNE_CACHE"], cache)
-    env = {**os.environ, "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path / "tmp"), "SLAPO_TUNE_CACHE": str(cache),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
-    for folder in ("home", "tmp"):
-        (tmp_path / folder).mkdir()
-    command = [sys.executable, "-m", "slapo_tune.cli", *TUNE, "--out", str(out)]
+    for folder in (secret_dir, logs, tmp_path / "home", tmp_path / "tmp"):
+        folder.mkdir()
+    storage_file.write_text(f"# the study's database\n{url}\n")
+    for name, value in (("HOME", tmp_path / "home"), ("TMPDIR", tmp_path / "tmp"), ("SLAPO_TUNE_CACHE", cache)):
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                   os.environ.get("PYTHONPATH")])))
 
-    # 1: the URL from a file; SIGKILLed once a trial is told and the next one runs
+    # 1: a driver of its own, the URL from a file; SIGKILLed once a trial is told and the next one runs
     with open(logs / "1.out", "w") as stdout, open(logs / "1.err", "w") as stderr:
-        first = subprocess.Popen([*command, "--storage-file", str(storage_file)], env=env, stdout=stdout, stderr=stderr)
+        first = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", *TUNE, "--out", str(out), "--storage-file",
+                                  str(storage_file)], stdout=stdout, stderr=stderr)
         try:
             deadline = time.monotonic() + 180
             while first.poll() is None and time.monotonic() < deadline:
@@ -90,10 +92,13 @@ def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_pat
     told_first = told_first[told_first.status.isin(LAUNCHED)]
     assert len(told_first) == 1
 
-    # 2: the URL from the environment; resumes the study
-    with open(logs / "2.out", "w") as stdout, open(logs / "2.err", "w") as stderr:
-        second = subprocess.run(command, env={**env, STORAGE_ENV: url}, stdout=stdout, stderr=stderr, timeout=300)
-    assert second.returncode == 0, (logs / "2.err").read_text()[-2000:]
+    # 2: in this process (its trial's ranks too: fd-level capture), the URL from the environment,
+    # JSON lines; resumes the study
+    monkeypatch.setenv(STORAGE_ENV, url)
+    capfd.readouterr()
+    code = main([*TUNE, "--out", str(out), "--json-lines"])
+    printed = _keep(capfd.readouterr(), logs / "2")
+    assert code == 0, printed.err[-2000:]
     frame = pd.read_csv(out / "trials.csv")
     launched = frame[frame.status.isin(LAUNCHED)]
     assert len(launched) == 2 and launched.trial.nunique() == 2
@@ -101,23 +106,26 @@ def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_pat
     assert kept.samples_per_s.tolist() == pytest.approx(told_first.samples_per_s.tolist())
     states = _study_trials(postgres, "tune_resume")
     assert "RUNNING" not in states.values() and [states[n] for n in launched.trial] == ["COMPLETE"] * 2
-    printed = (logs / "2.out").read_text()
-    assert "optuna-dashboard postgresql://tuner:***@/tune_resume" in printed
-
-    # 3: in this process, JSON lines: the study is done, so the outputs are rewritten and the summary told
-    monkeypatch.setenv(STORAGE_ENV, url)
-    assert main([*TUNE, "--out", str(out), "--json-lines"]) == 0
-    captured = capsys.readouterr()
-    (logs / "3.out").write_text(captured.out)
-    (logs / "3.err").write_text(captured.err)
-    done = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")][-1]
+    done = [json.loads(line) for line in printed.out.splitlines() if line.startswith("{")][-1]
     assert done["event"] == "done" and done["config"]["storage"].startswith("postgresql://tuner:***@")
+
+    # 3: the study is done: nothing runs, the outputs are rewritten and the summary printed
+    assert main([*TUNE, "--out", str(out)]) == 0
+    printed = _keep(capfd.readouterr(), logs / "3")
+    assert "optuna-dashboard postgresql://tuner:***@/tune_resume" in printed.out
 
     secrets = _secrets(postgres.password)
     assert _grep(secrets, secret_dir) == [str(storage_file)]  # grep finds the password where it is
     wrote = [p for p in tmp_path.rglob("*") if p.is_file() and secret_dir not in p.parents]
-    assert {"trials.csv", "best_schedule.json", "report.html", "3.out", "2.err"} <= {p.name for p in wrote}
+    assert {"trials.csv", "best_schedule.json", "report.html", "1.err", "2.out", "3.err"} <= {p.name for p in wrote}
     assert _grep(secrets, tmp_path, exclude_dir=secret_dir.name) == []
+
+
+def _keep(captured, stem: Path):
+    """Write captured output to ``STEM.out`` and ``STEM.err`` (for the grep); return it."""
+    stem.with_suffix(".out").write_text(captured.out)
+    stem.with_suffix(".err").write_text(captured.err)
+    return captured
 
 
 def test_wrong_password_is_one_line_and_shows_no_secret(tmp_path, postgres, monkeypatch, capsys):
