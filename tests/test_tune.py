@@ -200,6 +200,7 @@ def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
     launched = _launched_points(frame, KNOBS)
     assert len(launched) == 3 and len(set(launched)) == 3  # exactly the requested trials, none twice
     _assert_nothing_left(mark)
+    assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the re-attached head's temp folder went with it
 
 
 @pytest.mark.parametrize("extra,message", [
