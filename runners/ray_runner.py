@@ -3,7 +3,7 @@
 Each trial gets fresh actors (a crashed or poisoned rank never carries over into the next trial)
 in a placement group of ``world_size`` bundles: GPU bundles when the trial runs on CUDA,
 (fractional) CPU bundles otherwise. Rank 0 hosts the rendezvous store on a port its OS picks, at
-its node's address. Actors are named after the trial and its knobs, so the Ray dashboard shows
+its node's address (listening there only). Actors are named after the trial and its knobs, so the Ray dashboard shows
 what runs. On the first failure, or when the time limit passes, every actor is killed and the
 group removed, which frees the bundles at once.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from typing import Any
 
@@ -53,9 +54,13 @@ class _RankActor:
         import ray
         import torch.distributed as dist
 
-        self._store = dist.TCPStore("0.0.0.0", 0, self.world_size, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=300))
-        return ray.util.get_node_ip_address(), self._store.port
+        # listening at the node's address only (the loopback under a local head), not on every interface
+        host = ray.util.get_node_ip_address()
+        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._store = dist.TCPStore(host, listener.getsockname()[1], self.world_size, is_master=True,
+                                    wait_for_workers=False, timeout=timedelta(seconds=300),
+                                    master_listen_fd=listener.detach())  # the store's socket from now on
+        return host, self._store.port
 
     def node_id(self) -> str:
         import ray

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
+from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
@@ -128,6 +132,79 @@ def ray_cluster():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@dataclass
+class Postgres:
+    """A running PostgreSQL server: the role ``tuner`` logs in with ``password`` (scram-sha-256);
+    the superuser ``postgres`` is trusted over the server's socket, for set-up only."""
+
+    socket_dir: str
+    password: str
+    superuser_url: str
+
+    def url(self, database: str, password: str | None = None) -> str:
+        """A storage URL of ``database`` as the README writes it (the password URL-encoded)."""
+        return f"postgresql://tuner:{quote(password or self.password, safe='')}@/{database}?host={self.socket_dir}"
+
+    def create_database(self, name: str) -> str:
+        """A new empty database owned by ``tuner``; returns its URL."""
+        import psycopg
+
+        with psycopg.connect(self.superuser_url, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}" OWNER tuner')
+        return self.url(name)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for this test session (pgserver: its own binaries, no root needed;
+    as root they run as a user of their own), its data and Unix socket in the session's temp dir,
+    no TCP port; stopped by its postmaster's PID at the end and its data removed."""
+    # pgserver keeps a lock in the runtime dir it reads at import: this session's, not the user's
+    os.environ["XDG_RUNTIME_DIR"] = os.path.join(_SESSION_TMP, "run")
+    os.makedirs(os.environ["XDG_RUNTIME_DIR"], mode=0o700, exist_ok=True)
+    import atexit
+    import secrets
+
+    import pgserver
+    import psycopg
+
+    data = os.path.join(_SESSION_TMP, "pg")
+    os.makedirs(data)
+    server = pgserver.get_server(data, cleanup_mode=None)  # stopped here, by PID, not at exit
+    pid = server.get_pid()
+    try:
+        # characters a URL must encode ('/', '@'), so redaction is tested on both forms
+        password = f"pw-{secrets.token_hex(8)}/@x"
+        superuser = server.get_uri()
+        with psycopg.connect(superuser, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE tuner LOGIN PASSWORD '{password}'")
+            with open(os.path.join(data, "pg_hba.conf"), "w") as f:  # the superuser alone is trusted
+                f.write("local all postgres trust\nlocal all all scram-sha-256\n")
+            conn.execute("SELECT pg_reload_conf()")
+        socket_dir = parse_qs(urlsplit(superuser).query)["host"][0]
+        yield Postgres(socket_dir=socket_dir, password=password, superuser_url=superuser)
+    finally:
+        _stop_by_pid(pid)
+        atexit.unregister(server._cleanup)  # pgserver's own exit hook: nothing left for it to stop
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _stop_by_pid(pid: int, grace: float = 30.0) -> None:
+    """SIGQUIT (PostgreSQL's immediate shutdown: its data is thrown away next, so nothing is
+    flushed), SIGKILL after ``grace``."""
+    try:
+        os.kill(pid, signal.SIGQUIT)
+    except ProcessLookupError:
+        return
+    from slapo_tune.search._cluster import _alive  # (a zombie left to a parent that does not reap is not)
+
+    deadline = time.monotonic() + grace
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
 
 
 def pytest_sessionfinish(session, exitstatus):

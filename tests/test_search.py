@@ -131,16 +131,20 @@ def test_guided_learns_a_knob_values_correction_and_stops_when_nothing_can_win(g
     assert sampler.next_point(known_most) is None and sampler.stopped_early
 
 
-@pytest.mark.parametrize("storage,strategy", [("sqlite", "guided"), ("journal", "tpe")])
-def test_two_drivers_on_one_study_launch_no_point_twice(tmp_path, storage, strategy):
+@pytest.mark.parametrize("storage,strategy", [("sqlite", "guided"), ("journal", "tpe"), ("postgresql", "guided")])
+def test_two_drivers_on_one_study_launch_no_point_twice(tmp_path, request, storage, strategy):
     """Two drivers started together on one study, with one seed: a point is launched by the
     driver whose trial named it first (each waits for the other's earlier trials to name theirs),
-    so no point runs twice; both report the whole study's best."""
+    so no point runs twice; both report the whole study's best. PostgreSQL: a new database of the
+    session's real server (both drivers create its tables at once)."""
     import multiprocessing
 
     from _search_workers import drive
 
-    url = f"sqlite:///{tmp_path / 'study.db'}" if storage == "sqlite" else f"journal:{tmp_path / 'study.journal'}"
+    if storage == "postgresql":
+        url = request.getfixturevalue("postgres").create_database("two_drivers")
+    else:
+        url = f"sqlite:///{tmp_path / 'study.db'}" if storage == "sqlite" else f"journal:{tmp_path / 'study.journal'}"
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     drivers = [context.Process(target=drive, args=(url, str(tmp_path / f"out{i}"), strategy, 0, 8, queue))

@@ -4,6 +4,7 @@ dashboard's state API, exported schedule; exact resume after the driver is SIGKI
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -100,24 +101,63 @@ def _dashboard_trial_names(out: Path, home: Path) -> set[str]:
     return names
 
 
+def _listening(pids: list[int]) -> set[tuple[str, str, int]]:
+    """(process name, address, port) of every listening TCP socket of ``pids`` and their descendants."""
+    import psutil
+
+    processes = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            processes.append(psutil.Process(pid))
+            processes += processes[-1].children(recursive=True)
+    found = set()
+    for process in processes:  # (one that ended meanwhile has nothing to show)
+        with contextlib.suppress(psutil.Error):
+            name = process.name()
+            found |= {(name, c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN}
+    return found
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # ::ffff:127.0.0.1 too
+
+
 def test_tune_end_to_end(tmp_path, ray_tmp):
+    """... and the local head listens on the loopback only: every listening socket of the driver,
+    the head it started (by the head's PID) and their processes (GCS, raylet, dashboard and agents,
+    client server, trial actors), gathered while the study runs; its temp folder is gone after."""
     out, mark = tmp_path / "study", uuid.uuid4().hex
     env = _env(tmp_path, mark, ray_tmp)
-    proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "4", "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (output to files: sockets are watched until the end, nobody reads a pipe meanwhile)
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "4", "--out",
+                                 str(out)], env=env, stdout=stdout, stderr=stderr)
     seen: set[str] = set()
+    listening: set[tuple[str, str, int]] = set()
+    head_pids: list[int] = []
     try:
-        while proc.poll() is None and not seen:  # the running dashboard lists the trial actors by name
+        deadline = time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(OSError, ValueError, KeyError):
-                seen = _dashboard_trial_names(out, tmp_path / "home")
-            time.sleep(1)
-        stdout, stderr = proc.communicate(timeout=900)
+                head_pids = head_pids or [json.loads((out / ".ray_head.json").read_text())["pid"]]
+                listening |= _listening([proc.pid, *head_pids])
+                seen = seen or _dashboard_trial_names(out, tmp_path / "home")  # trial actors, by name
+            time.sleep(0.5)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 0, stderr[-3000:]
     assert seen and all(" rank " in name and "tp=" in name for name in seen), seen
+    names = {name for name, _, _ in listening}
+    assert {"gcs_server", "raylet", "ray::DashboardAgent"} <= names, listening
+    assert any(name.startswith("ray::_RankActor") for name in names), listening  # a trial's ranks too
+    assert [s for s in listening if not _is_loopback(s[1])] == []
+    assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the head's temp folder went with it
     frame = _rows(out)
     launched = _launched_points(frame, KNOBS)
     assert len(launched) == 4 and len(set(launched)) == 4  # no point ran twice
@@ -162,6 +202,7 @@ def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
     launched = _launched_points(frame, KNOBS)
     assert len(launched) == 3 and len(set(launched)) == 3  # exactly the requested trials, none twice
     _assert_nothing_left(mark)
+    assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the re-attached head's temp folder went with it
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -171,6 +212,8 @@ def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
     (["--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
     (["--storage", "nosuchdb://user:hunter2@host/db"], "cannot open storage nosuchdb://user:***@host/db"),
     (["--storage", "not-a-url"], "unreadable storage URL 'not-a-url'"),
+    (["--storage-file", "/no/such/file"], "cannot read the storage file /no/such/file: No such file or directory"),
+    (["--storage", "sqlite:///a.db", "--storage-file", "f"], "argument --storage-file: not allowed with argument --storage"),
     (["--memory-budget", "4XB"], "unparsable size '4XB'"),
     (["--strategy", "simulated-annealing"], "unknown strategy 'simulated-annealing'"),
     (["--knobs", "tp=3"], "tp=3 is not legal for this model and world; legal values: 1, 2"),

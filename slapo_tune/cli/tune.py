@@ -49,7 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--prune", default="exact", choices=["exact", "analytic", "none"],
                    help="cost-model pruning before launch (default: %(default)s)")
-    p.add_argument("--storage", default=None, help="Optuna storage URL (default: a journal file in --out)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--storage", default=None,
+                       help="Optuna storage URL, e.g. postgresql://user:pass@host/db (default: $SLAPO_TUNE_STORAGE, "
+                            "else a journal file in --out)")
+    where.add_argument("--storage-file", default=None, metavar="PATH",
+                       help="read the storage URL from this file's first line, keeping a password off the "
+                            "command line")
     p.add_argument("--study", default=None, help="study name (default: the --out folder's name)")
     p.add_argument("--ray-address", default="local",
                    help="local (start a Ray head), none (local processes, no Ray), or ADDRESS of a running cluster "
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from ..precision import default_precision
     from ..search import TuneConfig, Tuner
     from ..search._cluster import connect
-    from ..search._storage import check_storage, redact
+    from ..search._storage import check_storage, redact, storage_url
     from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
 
@@ -155,24 +161,25 @@ def run(args: argparse.Namespace) -> int:
     hardware, hardware_line = hardware_of(args, setup)
     if here:
         setup.concurrency(args.world_size)  # a world larger than the GPUs here fails before anything starts
-    check_storage(args.storage)  # an unusable URL fails here, before anything is started or written
+    storage_at = storage_url(args.storage, args.storage_file)
+    check_storage(storage_at)  # an unusable URL fails here, before anything is started or written
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
                       args.concurrency, device=setup)
     try:
         config = TuneConfig(problem=problem.spec, out=out, trials=args.trials, time_budget=time_budget,
-                            strategy=args.strategy, objective=args.objective, storage=args.storage,
+                            strategy=args.strategy, objective=args.objective, storage=storage_at,
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
                             trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins, confirm=args.confirm)
         printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
         tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
-        storage = redact(args.storage) if args.storage else str(out / "study.journal")
+        storage_shown = redact(storage_at, storage_at) if storage_at else str(out / "study.journal")
         if not args.json_lines:
             ranks = f"{args.world_size} {setup.name} rank(s), one GPU each" if setup.cuda else f"{args.world_size} cpu rank(s)"
             print(f"slapo-tune: {args.model} on {ranks}, {precision}, budget {budget_text} per rank, "
                   f"{hardware_line}, strategy {config.strategy}, {config.trials} trial(s), "
                   f"{cluster.runner.concurrency} in flight; {cluster.describe()}; study "
-                  f"'{tuner.study.study_name}' in {storage}", file=sys.stderr, flush=True)
+                  f"'{tuner.study.study_name}' in {storage_shown}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         summary = tuner.run()
     except KeyboardInterrupt:
@@ -190,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['pruned']} pruned, {summary['failed']} failed{infrastructure}, {summary['duplicates']} "
               f"repeat(s) answered from the study")
         print(best_line(summary, out / "best_schedule.json"))
-        print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
-              f"optuna-dashboard {args.storage or 'journal:' + str(out / 'study.journal')})")
+        # (optuna-dashboard takes a journal as a plain path, and a URL with the password that is shown as ***)
+        password = ", your password for ***" if storage_at and storage_shown != storage_at else ""
+        print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; optuna-dashboard {storage_shown}{password})")
     return 0
 
 

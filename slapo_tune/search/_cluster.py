@@ -4,7 +4,9 @@
 not a ``ray.init()`` owned by the driver: a driver killed with SIGKILL then leaves the head
 running instead of orphaning Ray's agents, the re-run command re-attaches to it (its PID and
 address are recorded in the output folder), and the head is stopped, by PID, when the study
-finishes. The dashboard binds to 127.0.0.1.
+finishes. Every port of that head (GCS, raylet, object manager, client server, dashboard and its
+agent, metrics exporter, runtime-env agent, workers) listens on 127.0.0.1 only, and its temp
+folder is removed when it stops.
 """
 
 from __future__ import annotations
@@ -24,8 +26,19 @@ from pathlib import Path
 from .._atomic import atomic_write_text
 from ..device import DeviceSetup, default_concurrency, device_setup
 from ..errors import UsageError
+from ._storage import STORAGE_ENV
 
 HEAD_FILE = ".ray_head.json"
+LOOPBACK = "127.0.0.1"
+# A local head is Ray's single-machine mode: Ray then takes 127.0.0.1 as the node's address (as it
+# does on macOS and Windows) instead of the address other hosts reach, so that every server
+# binds to the loopback (given --node-ip-address=127.0.0.1 alone, Ray swaps in the address other
+# hosts reach and binds the GCS, raylet and agents to all interfaces). Read by Ray at import: set in the head's environment and in this
+# driver's before Ray is imported. Token authentication stays on (the dashboard and GCS refuse
+# callers without ~/.ray/auth_token); the head is stopped only once its trials have ended, so
+# it need not drain (Ray's default waits up to 30 s on SIGTERM).
+LOCAL_HEAD_ENV = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                  "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 @dataclass
@@ -36,6 +49,7 @@ class Cluster:
     dashboard: str | None = None
     head_pid: int | None = None
     head_file: Path | None = None
+    head_temp: Path | None = None  # the local head's temp folder (sessions, logs, sockets)
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -57,7 +71,7 @@ class Cluster:
 
         ray.shutdown()
         if self.head_pid:
-            stop_head(self.head_pid)
+            stop_head(self.head_pid, self.head_temp)
         if self.head_file:
             self.head_file.unlink(missing_ok=True)
 
@@ -82,20 +96,23 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def stop_head(pid: int, grace: float = 20.0) -> None:
+def stop_head(pid: int, temp: Path | None = None, grace: float = 20.0) -> None:
     """SIGTERM the head's session (``ray start --block`` then stops what it started), SIGKILL
-    what is left after ``grace`` seconds."""
+    what is left after ``grace`` seconds; then remove its temp folder ``temp``."""
     try:
         os.killpg(pid, signal.SIGTERM)
     except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+        pass
+    else:
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    if temp is not None:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def ensure_auth_token() -> Path:
@@ -111,8 +128,8 @@ def ensure_auth_token() -> Path:
     return path
 
 
-def start_head(out: Path, num_cpus: int) -> tuple[int, str, str]:
-    """Start a local Ray head; returns (pid, GCS address, dashboard URL)."""
+def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
+    """Start a local Ray head on the loopback; returns (pid, GCS address, dashboard URL, temp folder)."""
     ray_exe = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_exe is None:
         raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none")
@@ -121,16 +138,15 @@ def start_head(out: Path, num_cpus: int) -> tuple[int, str, str]:
     base = Path(os.environ.get("SLAPO_RAY_TMPDIR", "/tmp"))
     temp = (base if len(str(base)) <= 40 else Path("/tmp")) / f"slapo-ray-{port}"
     log = open(out / "ray_head.log", "ab")  # noqa: SIM115 - handed to the head process
-    cmd = [ray_exe, "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-           f"--temp-dir={temp}", "--disable-usage-stats"]
-    # token authentication on, deliberately: the dashboard and GCS then refuse callers without
-    # the token in ~/.ray/auth_token (the head writes it; this driver reads it)
-    ensure_auth_token()
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    cmd = [ray_exe, "start", "--head", "--block", f"--node-ip-address={LOOPBACK}", f"--port={port}",
+           f"--num-cpus={num_cpus}", "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
+           f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"]
+    ensure_auth_token()  # the head reads it; this driver too
+    # (the study's storage URL, password and all, is none of Ray's business: it is not passed on)
+    env = {**{k: v for k, v in os.environ.items() if k != STORAGE_ENV}, **LOCAL_HEAD_ENV}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()
-    return proc.pid, f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}"
+    return proc.pid, f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{dash}", temp
 
 
 def _connect(address: str, timeout: float, namespace: str, head_pid: int | None = None,
@@ -189,7 +205,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
     if ray_address == "none":
         return Cluster(LocalRunner.for_device(device, world_size, concurrency), "none")
     if ray_address == "local":
-        os.environ["RAY_AUTH_MODE"] = "token"  # before Ray reads its configuration (see start_head)
+        os.environ.update(LOCAL_HEAD_ENV)  # before Ray reads its configuration
     try:
         import ray  # noqa: F401
     except ImportError:
@@ -202,16 +218,18 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         recorded = json.loads(head_file.read_text()) if head_file.is_file() else None
         if recorded and _alive(recorded["pid"]):
             pid, address, dashboard = recorded["pid"], recorded["address"], recorded["dashboard"]
+            temp = Path(recorded["temp"]) if recorded.get("temp") else None  # (heads started before it was kept)
         else:
-            pid, address, dashboard = start_head(out, cores)
-            atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard}))
+            pid, address, dashboard, temp = start_head(out, cores)
+            atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard,
+                                                     "temp": str(temp)}))
         try:
             _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log")
         except UsageError:
-            stop_head(pid)
+            stop_head(pid, temp)
             head_file.unlink(missing_ok=True)
             raise
-        cluster = Cluster(None, "local-ray", address, dashboard, pid, head_file)
+        cluster = Cluster(None, "local-ray", address, dashboard, pid, head_file, temp)
     else:
         _connect(ray_address, 3.0, namespace)
         cluster = Cluster(None, "ray", ray_address, None)

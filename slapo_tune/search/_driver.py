@@ -516,12 +516,15 @@ class Tuner:
         """The run's counts, and the point crowned in the whole study (other drivers' trials too):
         the confirmed one, with its confirmed figures, where the study's confirmation stands."""
         from ._confirm import crowned
+        from ._storage import redact
 
         p = self.progress
         best, confirmed = crowned(self.study)
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}
+        if self.config.storage:  # the summary is printed (the done event): never the storage's password
+            config["storage"] = redact(self.config.storage, self.config.storage)
         return {"stop": stop, "launched": p.launched, "pruned": p.pruned, "failed": p.failed,
                 "infrastructure": p.infrastructure, "duplicates": p.duplicates,
                 "best": (confirmed["samples_per_s"] if confirmed else best.values[0]) if best else None,
                 "best_point": best.user_attrs["point"] if best else None, "confirmed": confirmed,
-                "elapsed": time.monotonic() - p.started, "study": self.study.study_name,
-                "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}}
+                "elapsed": time.monotonic() - p.started, "study": self.study.study_name, "config": config}
