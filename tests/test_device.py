@@ -99,7 +99,8 @@ def test_tune_defaults_on_cuda(capsys, monkeypatch, fake_cuda, tmp_path):
             self.study = SimpleNamespace(study_name="s")
 
         def run(self):
-            return {"stop": "trials", "launched": 0, "pruned": 0, "failed": 0, "duplicates": 0, "best_point": None}
+            return {"stop": "trials", "launched": 0, "pruned": 0, "failed": 0, "infrastructure": 0, "duplicates": 0,
+                    "best_point": None, "confirmed": None}
 
     monkeypatch.setattr(search, "Tuner", Tuner)
     assert main(["tune", "--world-size", "4", "--ray-address", "none", "--out", str(tmp_path / "o")]) == 0
