@@ -205,12 +205,15 @@ def main(argv=None) -> int:
     if args.smoke:  # the same path on a tiny model
         numerics = partial(check_numerics, setup.kind, ("gpt2-tiny",))
         memory = partial(check_memory, setup, hw, "gpt2-tiny", 8, 32, MEMORY_POINTS[:1])
-        model, tune_args = "gpt2-tiny", ["--global-batch", "4", "--seq-len", "32", "--measured-steps", "1"]
+        # no confirmation rounds (tests/test_confirm.py covers them): the suite's time
+        model, tune_args = "gpt2-tiny", ["--global-batch", "4", "--seq-len", "32", "--measured-steps", "1",
+                                         "--confirm", "0"]
         trials, steps = args.tune_trials or 1, args.train_steps or 2
     else:
         numerics = partial(check_numerics, setup.kind)
         memory = partial(check_memory, setup, hw, "gpt2", 16, 512, MEMORY_POINTS)
-        model, tune_args = "gpt2-medium", []
+        # the best point confirmed on the GPU (3 rounds), not up to 3 candidates: the device's minutes are few
+        model, tune_args = "gpt2-medium", ["--confirm", "1"]
         trials, steps = args.tune_trials or 4, args.train_steps or 5
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         cli = partial(cli_end_to_end, Path(work), model, trials, steps, device_args, tune_args)
