@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ._common import positive_int
+
+if TYPE_CHECKING:
+    from ..problem import ProblemSpec
 
 HELP = "schedule a small model with tensor parallelism on CPU ranks and verify it against the unscheduled one"
 BATCH, SEQ = 4, 64
@@ -19,11 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "width (default: %(default)s)")
 
 
-def demo_rank(ctx, preset: str, batch: int, seq: int) -> str:
-    """The README's 20-line example, as one rank runs it, with the plan of the model's template."""
+def demo_rank(ctx, spec: ProblemSpec) -> str:
+    """The README's 20-line example, as one rank runs it, with the plan of the problem's template."""
     import torch
-
-    from search_spaces import template_for
 
     from .._build import build
     from .._schedule import create_schedule
@@ -31,9 +33,10 @@ def demo_rank(ctx, preset: str, batch: int, seq: int) -> str:
     from ..models import build_model
     from ..parallelize import apply_checkpointing, apply_tensor_parallel
 
-    reference = build_model(preset)
-    template = template_for(reference.config)
-    sch = create_schedule(build_model(preset))
+    problem = spec.resolve()  # the template the command checked the world size against
+    template, batch, seq = problem.template, problem.workload.global_batch, problem.workload.seq_len
+    reference = build_model(spec.model)
+    sch = create_schedule(build_model(spec.model))
     apply_tensor_parallel(sch, template.plan(sch.mod))
     apply_checkpointing(template.block_nodes(sch), 0.5)
     model = build(sch, seed=0)
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
           "half of the blocks;")
     print("verifying loss, module outputs and every gradient against the unscheduled model...")
     # CPU ranks even where GPUs are present: the demo's model is built on the CPU
-    reports = launch(demo_rank, args.world_size, args=(args.model, BATCH, SEQ), timeout=300,
+    reports = launch(demo_rank, args.world_size, args=(problem.spec,), timeout=300,
                      backend=device_setup("cpu").backend)
     print(reports[0])
     return EXIT_OK if reports[0].startswith("verify: OK") else EXIT_FAILED
