@@ -12,7 +12,7 @@ def echo(ctx, value):
     t = torch.tensor([float(ctx.rank + 1)])
     dist.all_reduce(t)
     return {"rank": ctx.rank, "world": ctx.world_size, "sum": t.item(), "value": value, "pid": os.getpid(),
-            "threads": torch.get_num_threads()}
+            "parent": os.getppid(), "threads": torch.get_num_threads(), "mark": os.environ.get("SLAPO_TEST_MARK")}
 
 
 def raise_on_rank_one(ctx):

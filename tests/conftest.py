@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -18,6 +20,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # under /tmp itself, not $TMPDIR: a pytest-xdist worker inherits the controller's session dir as
 # $TMPDIR, and Ray's socket paths under a nested dir exceed the 107 bytes AF_UNIX allows
 _SESSION_TMP = tempfile.mkdtemp(prefix="slapo-tune-tests-", dir="/tmp")
+# multiprocessing's own temp dir (the rank fork server's socket) is made now, outside the session
+# dir, so that multiprocessing removes it at exit after the session dir is gone
+multiprocessing.util.get_temp_dir()
 os.environ["TMPDIR"] = _SESSION_TMP  # children (ranks, Ray) inherit a private temp dir
 tempfile.tempdir = _SESSION_TMP
 # Nothing from the user's cache (calibrations, layouts, the measured CPU) reaches the tests: a
@@ -73,6 +78,8 @@ def no_leftover_children():
     """Fails the test if it leaves a child process of the test runner behind."""
     before = _children(os.getpid())
     yield
+    # the rank fork server lives as long as this process, to start the next test's ranks
+    before.add(multiprocessing.forkserver._forkserver._forkserver_pid)
     import time
 
     deadline = time.monotonic() + 5

@@ -236,8 +236,10 @@ def _capture_ranks(monkeypatch):
     import slapo_tune.launch as launch_module
 
     real = get_context("spawn")
-    monkeypatch.setattr(launch_module, "get_context",
-                        lambda _: SimpleNamespace(Pipe=real.Pipe, Process=_CapturedProcess))
+    # nccl ranks are spawned (each must see only its own GPU before CUDA is first asked)
+    assert launch_module._start_method("nccl", w.report_device).get_start_method() == "spawn"
+    monkeypatch.setattr(launch_module, "_start_method",
+                        lambda backend, fn: SimpleNamespace(Pipe=real.Pipe, Process=_CapturedProcess))
 
 
 def test_launcher_gives_each_rank_its_own_gpu_on_nccl(monkeypatch, fake_cuda):

@@ -1,5 +1,6 @@
 """The local launcher: results by rank, failures named by rank, nothing left behind."""
 
+import multiprocessing.forkserver
 import os
 import time
 
@@ -16,6 +17,17 @@ def test_results_come_back_by_rank(no_leftover_children):
     assert all(r["sum"] == 3.0 and r["value"] == "x" and r["world"] == 2 for r in results)
     assert all(r["pid"] != os.getpid() for r in results)
     assert all(r["threads"] == max(1, os.cpu_count() // 2) for r in results)
+
+
+def test_cpu_ranks_fork_from_a_warm_server_with_the_launchers_environment(monkeypatch, no_leftover_children):
+    """gloo ranks fork from a server that imported torch once (no 3-9 s re-import per rank), yet
+    see the launcher's environment as it is at each launch, not as it was when the server started."""
+    launch(w.echo, 2, args=("x",), timeout=120)
+    monkeypatch.setenv("SLAPO_TEST_MARK", "set after the server started")
+    results = launch(w.echo, 2, args=("x",), timeout=120)
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert server is not None and all(r["parent"] == server != os.getpid() for r in results)
+    assert all(r["mark"] == "set after the server started" for r in results)
 
 
 def test_a_raising_rank_is_named_and_the_others_are_killed(no_leftover_children):
