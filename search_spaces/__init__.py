@@ -44,13 +44,13 @@ def _from_module(module, where: str, stem: str = "") -> Template:
     found = getattr(module, "TEMPLATE", None)
     if isinstance(found, Template):
         return found
+    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
+               if issubclass(c, Template) and c is not Template and c.__module__ == module.__name__]
+    if len(classes) == 1 and not hasattr(module, "KNOBS"):  # (a helper named schedule beside it is no template)
+        return classes[0]()
     declared = schedule_function_template(module, where, stem or module.__name__, TEMPLATES)
     if declared is not None:
         return declared
-    classes = [c for _, c in inspect.getmembers(module, inspect.isclass)
-               if issubclass(c, Template) and c is not Template and c.__module__ == module.__name__]
-    if len(classes) == 1:
-        return classes[0]()
     raise UsageError(f"{where} defines no schedule(sch, point) with KNOBS, no TEMPLATE (a Template instance) "
                      "and not exactly one Template subclass")
 
