@@ -62,9 +62,10 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     ``model`` trains another model than the one the file was tuned for (a preset name, a config
     path or a :class:`ModelSpec`); its config fingerprint must match the file's unless
     ``allow_model_mismatch`` (then the override is logged). ``world_size``, when given (e.g. from
-    ``torchrun``), must equal the schedule's. The file names a built-in template; a custom one is
-    passed as ``template`` (a file is data: it never decides which code runs). Every problem is a
-    :class:`UsageError` of one line.
+    ``torchrun``), must equal the schedule's. The file names a built-in template, or a template
+    file (``--space my_space.py``) by path and content hash: that file is loaded again only if its
+    content is still the one tuned with (the schedule file itself is data, never run). Another custom
+    template is passed as ``template``. Every problem is a :class:`UsageError` of one line.
     """
     from search_spaces import TEMPLATES
 
@@ -101,24 +102,24 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     if world_size is not None and world_size != data["world_size"]:
         raise UsageError(f"{where}: the schedule is for {data['world_size']} ranks but this job has {world_size}; "
                          f"re-tune for {world_size} ranks or launch {data['world_size']}")
-    name = data["template"]["name"]
-    if template is None:
+    recorded_template = data["template"]
+    name, file = recorded_template["name"], recorded_template.get("file")
+    if template is None and file is None:
         if name not in TEMPLATES:
             raise UsageError(f"{where}: template {name!r} is not built in ({', '.join(TEMPLATES)}); load a custom "
                              "template yourself and pass it (load_schedule(..., template=...))")
         template = TEMPLATES[name]
-    elif template.name != name:
-        raise UsageError(f"{where}: the schedule was made with template {name!r}, not {template.name!r}")
-    if str(template.version) != data["template"]["version"]:
-        raise UsageError(f"{where}: template {template.name} is version {template.version} here but the schedule "
-                         f"was made with version {data['template']['version']}; re-tune with this slapo-tune")
-    problem_spec = ProblemSpec(spec.name, data["world_size"], model_overrides=dict(spec.overrides), template=name,
+    # a template from a user's file is loaded from it again, if its content is the one tuned with
+    problem_spec = ProblemSpec(spec.name, data["world_size"], model_overrides=dict(spec.overrides),
+                               template=file if template is None else name,
+                               template_sha256=recorded_template.get("sha256") if template is None else None,
                                global_batch=data["global_batch"], seq_len=data["seq_len"], precision=data["precision"],
                                device=data["device"])
     try:
         problem = problem_spec.resolve(config, template)
     except UsageError as exc:
         raise UsageError(f"{where}: {exc}") from None
+    _check_template(problem.template, recorded_template, where)
     knobs = data["knobs"]
     missing = [k for k in problem.space.names if k not in knobs]
     if missing:
@@ -137,6 +138,15 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
             raise UsageError(f"{where}: {name}={data[name]} does not follow from the knobs (expected "
                              f"{getattr(plan, name)})")
     return LoadedSchedule(data, problem, plan, where, overridden)
+
+
+def _check_template(template: Template, recorded: Mapping[str, str], where: str) -> None:
+    """The template that will schedule is the one the schedule file names, in its version."""
+    if template.name != recorded["name"]:
+        raise UsageError(f"{where}: the schedule was made with template {recorded['name']!r}, not {template.name!r}")
+    if str(template.version) != recorded["version"]:
+        raise UsageError(f"{where}: template {template.name} is version {template.version} here but the schedule "
+                         f"was made with version {recorded['version']}; re-tune with this slapo-tune")
 
 
 def apply_schedule(model: nn.Module | None, schedule: LoadedSchedule | str | os.PathLike, *,

@@ -49,9 +49,11 @@ def default_seq_len(config, device: str = "cpu") -> int:
 @dataclass(frozen=True)
 class ProblemSpec:
     """What the user asked for. ``template`` is a registered name, ``module:attribute`` or a
-    ``.py`` path (None: chosen from the model's config); ``global_batch`` and ``seq_len`` default
-    as :func:`default_global_batch` and :func:`default_seq_len` say; ``memory_budget`` is bytes
-    per rank (None: unlimited)."""
+    ``.py`` path (None: chosen from the model's config); ``template_sha256``, for a ``.py`` path,
+    is the content it must have (the one a study or a schedule file was made with; resolving
+    fills it in, and the path made absolute, so that every rank runs the same file);
+    ``global_batch`` and ``seq_len`` default as :func:`default_global_batch` and
+    :func:`default_seq_len` say; ``memory_budget`` is bytes per rank (None: unlimited)."""
 
     model: str
     world_size: int
@@ -62,6 +64,7 @@ class ProblemSpec:
     precision: str = "fp32"
     device: str = "cpu"
     memory_budget: int | None = None
+    template_sha256: str | None = None
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -83,7 +86,8 @@ class ProblemSpec:
             raise UsageError(str(exc)) from None
         config = config if config is not None else self.model_spec.config()
         if template is None:
-            template = load_template(self.template) if self.template else template_for(config)
+            template = load_template(self.template, self.template_sha256) if self.template else template_for(config)
+        source = template.source
         positions = getattr(config, "max_position_embeddings", None)
         device = "cpu" if self.device == "cpu" else "cuda"
         seq_len = self.seq_len or default_seq_len(config, device)
@@ -91,6 +95,8 @@ class ProblemSpec:
             raise UsageError(f"seq_len {seq_len} is longer than {self.model}'s {positions} positions")
         spec = replace(self, global_batch=self.global_batch or default_global_batch(self.world_size, seq_len, device),
                        seq_len=seq_len)
+        if source is not None:
+            spec = replace(spec, template=source.path, template_sha256=source.sha256)
         info = replace(ModelInfo.from_config(config), tp_refusal=template.tp_refusal(config))
         workload = Workload(spec.world_size, spec.global_batch, spec.seq_len, spec.precision)
         space = template.space(info, workload)

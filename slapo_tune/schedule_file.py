@@ -1,6 +1,10 @@
 """The exported schedule: ``best_schedule.json``, a versioned, framework-neutral description of a
 tuned schedule point. Plain JSON data, validated field by field on load, never executed.
 
+A template loaded from a user's ``.py`` file (``--space my_space.py``) is recorded with that
+file's absolute path and the SHA-256 of its content (``template.file``, ``template.sha256``):
+training loads the file again, and refuses it when it is missing or its content changed.
+
 Version 2 names the training precision (``precision``: ``fp32``, ``amp-bf16``, ``bf16``; see
 :mod:`slapo_tune.precision`) and allows ``zero`` 1 and 2. Version-1 files still load: their
 ``dtype`` (``fp32``, or ``bf16`` meaning autocast over fp32 parameters) becomes the precision that
@@ -108,6 +112,10 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
     for name in ("name", "version"):
         if not isinstance(data["template"].get(name), str):
             raise UsageError(f"{where}: template.{name} must be a string")
+    if "file" in data["template"] or "sha256" in data["template"]:  # a template from a user's .py file
+        for name in ("file", "sha256"):
+            if not isinstance(data["template"].get(name), str):
+                raise UsageError(f"{where}: template.{name} must be a string (the template's file and its hash)")
     if not isinstance(data["model"].get("name"), str):
         raise UsageError(f"{where}: model.name must be a string")
     for key, value in data["knobs"].items():

@@ -38,6 +38,15 @@ CKPT_SPREAD = "uniform"
 
 
 @dataclass(frozen=True)
+class TemplateSource:
+    """The ``.py`` file a template was loaded from (absolute path) and the SHA-256 of the content
+    that ran: a schedule made with it trains only with that same content."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """The sizes of a model that decide which knob values are legal (from its config)."""
 
@@ -90,6 +99,7 @@ class Template:
     tp_plan: Mapping[str, Any] = {}
     # {parent glob: ((sibling linear names), fused name)}: horizontal fusion for ``fuse=on``
     fusion_groups: Mapping[str, tuple[tuple[str, ...], str]] = {}
+    source: TemplateSource | None = None  # set by the loader of a template from a user's file
 
     # ---------------------------------------------------------- what differs
     def blocks_path(self, model: nn.Module) -> str:
@@ -238,7 +248,16 @@ class Template:
         return sch
 
     def describe(self) -> str:
-        return f"{self.name} v{self.version}"
+        where = f" ({self.source.path}, sha256 {self.source.sha256[:12]})" if self.source else ""
+        return f"{self.name} v{self.version}{where}"
+
+    def record(self) -> dict[str, str]:
+        """How a schedule file names this template: name and version, and for a template from a
+        user's file that file's path and content hash (the file is loaded again to train)."""
+        found = {"name": self.name, "version": str(self.version)}
+        if self.source is not None:
+            found.update(file=self.source.path, sha256=self.source.sha256)
+        return found
 
 
 def set_attention(model: nn.Module, impl: str) -> None:

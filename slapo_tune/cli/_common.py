@@ -44,7 +44,8 @@ def add_problem_arguments(p: argparse.ArgumentParser, *, model: str | None = Non
     p.add_argument("--world-size", type=positive_int, required=world_size is None, default=world_size,
                    help="number of ranks" + (" (default: %(default)s)" if world_size else ""))
     p.add_argument("--space", default=None,
-                   help="template: gpt2, llama, bert, opt, generic, module:attr or a .py file (default: from the config)")
+                   help="template: gpt2, llama, bert, opt, generic, module:attr, or a .py file defining a Template "
+                        "or schedule(sch, point) with KNOBS (default: from the config)")
     p.add_argument("--global-batch", type=positive_int, default=global_batch,
                    help="global batch, held fixed (default: %(default)s)" if global_batch else
                    "global batch in sequences, held fixed (default: on cpu 8 x world size; on cuda the multiple "

@@ -178,7 +178,9 @@ def layout_of(config, template: Template) -> ModelLayout:
 
     from ..models import config_fingerprint
 
-    key = (config_fingerprint(config), template.name, str(template.version))
+    # a template from a user's file is known by its content too: its name and version need not change with it
+    version = str(template.version) + (f"+{template.source.sha256[:12]}" if template.source else "")
+    key = (config_fingerprint(config), template.name, version)
     if key in _LAYOUTS:
         return _LAYOUTS[key]
     cache = _cache_dir() / (f"layout-v{LAYOUT_VERSION}-{key[0].removeprefix('sha256:')}-{key[1]}-{key[2]}"

@@ -138,7 +138,7 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
                         step_times=confirmed["step_times"], spread=confirmed["spread"], confirmed=True,
                         trial_samples_per_s=result.get("samples_per_s"))
     return make_schedule(
-        template={"name": problem.template.name, "version": str(problem.template.version)}, plan=plan,
+        template=problem.template.record(), plan=plan,
         world_size=p.world_size, global_batch=p.global_batch, seq_len=p.seq_len, precision=p.precision, device=p.device,
         model={"name": p.model, "overrides": dict(p.model_overrides),
                "fingerprint": config_fingerprint(problem.config)},
