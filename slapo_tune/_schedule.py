@@ -561,11 +561,11 @@ class Schedule:
             is_buffer = name not in self.mod._parameters and self.mod._buffers.get(name) is not None
             param = self.mod._buffers.get(name) if is_buffer else self.mod._parameters.get(name)
             if param is None:
-                have = ", ".join(repr(n) for n, _ in [*self.mod.named_parameters(recurse=False),
-                                                     *self.mod.named_buffers(recurse=False)]) or "none"
+                have = ", ".join(repr(n) for n, _ in self.mod.named_parameters(recurse=False)) or "none"
+                buffers = ", ".join(repr(n) for n, _ in self.mod.named_buffers(recurse=False))
                 raise ShardingError(
-                    f"shard('{self.path}'): {type(self.mod).__name__} has no parameter or buffer '{name}' "
-                    f"(it has: {have})"
+                    f"shard('{self.path}'): {type(self.mod).__name__} has no parameter '{name}' (parameters: {have}"
+                    + (f"; buffers: {buffers})" if buffers else ")")
                 )
             if not -param.dim() <= axis < param.dim():
                 raise ShardingError(

@@ -15,7 +15,7 @@ from torch import nn
 import slapo_tune as st
 import slapo_tune.compat as slapo
 from slapo_tune import _graph, op
-from slapo_tune._schedule import list_primitives, register_primitive, state_of, unregister_primitive
+from slapo_tune._schedule import state_of
 from slapo_tune.launch import launch
 
 from _fidelity_workers import run_fidelity_suite
@@ -124,13 +124,13 @@ def test_shard_names_parameters_and_buffers_it_could_shard():
 
 
 def test_register_and_list_primitives():
-    @register_primitive
+    @st.register_primitive
     def scale_weight(sch, factor):
         """Multiply the weight by a factor."""
         with torch.no_grad():
             sch.mod.weight.mul_(factor)
 
-    @register_primitive()
+    @st.register_primitive()
     class TagPrimitive:  # Slapo's form; through compat it receives the compat node
         @staticmethod
         def name():
@@ -141,7 +141,7 @@ def test_register_and_list_primitives():
             sch.annotate("weight", "kind", (type(sch).__module__, value))
 
     try:
-        assert list_primitives()[-2:] == ["scale_weight", "tag_kind"] and "shard" in list_primitives()
+        assert st.list_primitives()[-2:] == ["scale_weight", "tag_kind"] and "shard" in st.list_primitives()
         assert slapo.list_primitives(name_only=False)["tag_kind"] is TagPrimitive.apply
         model = nn.Sequential(nn.Linear(2, 2))
         before = model[0].weight.detach().clone()
@@ -152,10 +152,10 @@ def test_register_and_list_primitives():
         slapo.create_schedule(model)["0"].tag_kind("x")
         assert sch["0"].get_annotation("weight", "kind") == ("slapo_tune.compat", "x")
         with pytest.raises(st.ScheduleError, match="built-in"):
-            register_primitive(lambda s: None, name="shard")
+            st.register_primitive(lambda s: None, name="shard")
     finally:
-        unregister_primitive("scale_weight")
-        unregister_primitive("tag_kind")
+        st.unregister_primitive("scale_weight")
+        st.unregister_primitive("tag_kind")
     assert not hasattr(st.Schedule, "tag_kind")
 
 
