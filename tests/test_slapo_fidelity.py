@@ -123,6 +123,17 @@ def test_shard_names_parameters_and_buffers_it_could_shard():
         st.create_schedule(nn.Sequential(m))["0"].shard("nope", 0)
 
 
+def test_all_to_all_and_gather_reduce_sync_arguments_are_checked():
+    sch = st.create_schedule(nn.Sequential(nn.Identity()))
+    with pytest.raises(st.SyncError, match="join_axis"):
+        sch["0"].sync("fwd_post", "all_to_all", axis=1)
+    with pytest.raises(st.SyncError, match="reduce_grad applies to all_gather only"):
+        sch["0"].sync("fwd_post", "scatter", reduce_grad=True)
+    with pytest.raises(st.SyncError, match="only all_reduce"):
+        sch["0"].sync("bwd_post", "all_to_all", axis=1, join_axis=2)
+    assert state_of(sch["0"].mod) is None  # refused: nothing recorded
+
+
 def test_register_and_list_primitives():
     @st.register_primitive
     def scale_weight(sch, factor):
