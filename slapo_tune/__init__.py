@@ -32,7 +32,8 @@ from .plan import Plan, TrialStatus
 _LAZY = {
     "build": "_build", "materialize": "_build",
     "FusedLinear": "_graph", "Match": "_graph", "bias_then": "_graph", "fuse_linears": "_graph",
-    "Schedule": "_schedule", "create_schedule": "_schedule",
+    "Schedule": "_schedule", "create_schedule": "_schedule", "list_primitives": "_schedule",
+    "register_primitive": "_schedule", "unregister_primitive": "_schedule",
     "Layout": "_sharding",
     "VerifyReport": "_verify", "reference_copy": "_verify", "verify": "_verify",
     "LoadedSchedule": "apply", "apply_schedule": "apply", "load_schedule": "apply",
@@ -45,7 +46,13 @@ _LAZY = {
 if TYPE_CHECKING:
     from ._build import build, materialize
     from ._graph import FusedLinear, Match, bias_then, fuse_linears
-    from ._schedule import Schedule, create_schedule
+    from ._schedule import (
+        Schedule,
+        create_schedule,
+        list_primitives,
+        register_primitive,
+        unregister_primitive,
+    )
     from ._sharding import Layout
     from ._verify import VerifyReport, reference_copy, verify
     from .apply import LoadedSchedule, apply_schedule, load_schedule
@@ -101,9 +108,12 @@ __all__ = [
     "create_schedule",
     "fuse_linears",
     "load_config",
+    "list_primitives",
     "load_schedule",
     "materialize",
     "preset_names",
     "reference_copy",
+    "register_primitive",
+    "unregister_primitive",
     "verify",
 ]

@@ -10,6 +10,7 @@ never overwritten (a loaded checkpoint survives ``build``).
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -89,6 +90,18 @@ def _initializer(root: nn.Module, module_path: str) -> Callable[[nn.Module], Non
     return reset
 
 
+InitWeights = Callable[[nn.Module], None] | Callable[[nn.Module, str], None]
+
+
+def _custom_initializer(init_weights: InitWeights, path: str) -> Callable[[nn.Module], None]:
+    """``init_weights`` as a one-argument initialiser: given the module's path too if it takes two."""
+    try:
+        inspect.signature(init_weights).bind(None, None)
+    except (TypeError, ValueError):  # one argument, or a builtin without a signature
+        return init_weights
+    return lambda module: init_weights(module, path)
+
+
 def _seed_for(seed: int, path: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
 
@@ -138,7 +151,8 @@ def record_init_owners(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
+def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str | None = None,
+                init_weights: InitWeights | None = None) -> nn.Module:
     """Give every meta parameter and buffer of ``model`` its real value, in place.
 
     Every module is initialised by the model's own initialiser (Hugging Face ``_init_weights``,
@@ -147,6 +161,10 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
     how they are sharded; sharded tensors then keep this rank's slice. A tensor held by several
     modules (ties) takes the value written by the first of them in module order, as Hugging Face
     ties do. Raises :class:`MaterializeError` for a tensor that no initialiser wrote.
+
+    ``init_weights`` replaces the model's initialiser: ``init_weights(module)`` or
+    ``init_weights(module, path)`` is called on each module (children first) with the module's
+    tensors at full size, under the same per-path seed; it writes them in place (``nn.init``).
     """
     if not _has_meta(model, recurse=True):
         return model
@@ -208,7 +226,8 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
         with torch.random.fork_rng(devices=devices):
             for path, m in detached + modules:
                 torch.manual_seed(_seed_for(seed, path))
-                _initializer(model, path)(m.__dict__.get(TRACED_FROM, m))
+                init = _custom_initializer(init_weights, path) if init_weights is not None else _initializer(model, path)
+                init(m.__dict__.get(TRACED_FROM, m))
         for m, name, is_param, original in reversed(saved):
             (m._parameters if is_param else m._buffers)[name] = original
         for tid, pieces in composite.items():
@@ -260,6 +279,7 @@ def build(
     topology=None,
     zero: int = 0,
     precision: str = "fp32",
+    init_weights: InitWeights | None = None,
 ) -> nn.Module:
     """The runnable model of a schedule.
 
@@ -268,7 +288,8 @@ def build(
     applies sharded data parallelism (``zero`` 1-3, see :mod:`slapo_tune._data_parallel`) and the
     ``precision``'s parameter dtype (:mod:`slapo_tune.precision`: FSDP2's mixed-precision policy
     where sharded, :class:`~slapo_tune.precision.MasterWeights` in ``stage.master`` otherwise).
-    Works the same on CPU (gloo) and CUDA (nccl).
+    Works the same on CPU (gloo) and CUDA (nccl). ``init_weights`` replaces the model's own
+    initialiser for meta tensors (see :func:`materialize`); real tensors are never re-initialised.
 
     Without a ``topology`` the model itself is returned. With one (see
     :func:`slapo_tune.topology.init_topology`) a :class:`~slapo_tune._pipeline.StageModule` is
@@ -317,7 +338,7 @@ def build(
         )
 
     def finish(model: nn.Module) -> None:
-        materialize(model, seed=seed, device=device)
+        materialize(model, seed=seed, device=device, init_weights=init_weights)
         if device is not None or dtype is not None:
             model.to(device=device, dtype=dtype)
         set_compute_dtype(model, mode.param_dtype if dtype is None else dtype)

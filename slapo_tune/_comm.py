@@ -12,7 +12,15 @@ function           forward                         backward
 ``gather``         all-gather along ``axis``       keep this rank's chunk
 ``reduce_scatter`` reduce-scatter along ``axis``   all-gather along ``axis``
 ``scatter``        keep this rank's chunk          all-gather along ``axis``
+``gather_reduce``  all-gather along ``axis``       reduce-scatter along ``axis``
+``all_to_all``     split ``axis``, join ``joined``  split ``joined``, join ``axis``
 =================  ==============================  ==============================
+
+``gather`` suits a replicated consumer (every rank's gradient is already whole), ``gather_reduce``
+a sharded one (column-parallel layers after it: each rank's gradient is a partial sum).
+``all_to_all`` switches a tensor between two partitions (DeepSpeed-Ulysses: sequence-sharded
+``[batch, seq/p, heads, dim]`` <-> head-sharded ``[batch, seq, heads/p, dim]``); its backward is
+the reverse switch.
 
 A group of size one makes every function the identity, so a schedule written for ``tp=2`` runs
 unchanged at ``tp=1`` without any communication.
@@ -21,7 +29,7 @@ unchanged at ``tp=1`` without any communication.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -111,37 +119,45 @@ class _ReduceBackward(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, group):
+def _axis_collective(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function computing ``forward(x, axis, group)``, whose backward is
+    ``backward(grad, axis, group)`` (the table above)."""
+
+    def fwd(ctx, x, axis, group):
         ctx.axis, ctx.group = axis, group
-        return _all_gather(x, axis, group)
+        return forward(x, axis, group)
+
+    def bwd(ctx, grad):
+        return backward(grad, ctx.axis, ctx.group), None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+
+_Gather = _axis_collective("_Gather", _all_gather, _own_chunk)
+_ReduceScatter = _axis_collective("_ReduceScatter", _reduce_scatter, _all_gather)
+_Scatter = _axis_collective("_Scatter", _own_chunk, _all_gather)
+_GatherReduce = _axis_collective("_GatherReduce", _all_gather, _reduce_scatter)
+
+
+def _all_to_all(x: torch.Tensor, split_axis: int, join_axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    size = group_size(group)
+    if x.shape[split_axis] % size:
+        raise ValueError(f"dimension {split_axis} of size {x.shape[split_axis]} is not divisible by the group size {size}")
+    inputs = [c.contiguous() for c in x.chunk(size, dim=split_axis)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
+    dist.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=join_axis)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_axis, join_axis, group):
+        ctx.split_axis, ctx.join_axis, ctx.group = split_axis, join_axis, group
+        return _all_to_all(x, split_axis, join_axis, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_chunk(grad, ctx.axis, ctx.group), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, group):
-        ctx.axis, ctx.group = axis, group
-        return _reduce_scatter(x, axis, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.axis, ctx.group), None, None
-
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, axis, group):
-        ctx.axis, ctx.group = axis, group
-        return _own_chunk(x, axis, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.axis, ctx.group), None, None
+        return _all_to_all(grad, ctx.join_axis, ctx.split_axis, ctx.group), None, None, None
 
 
 def reduce_fwd(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -167,6 +183,23 @@ def reduce_scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> to
 def scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
     """Keep this rank's chunk of a replicated tensor along ``axis``; backward all-gathers."""
     return x if group_size(group) == 1 else _Scatter.apply(x, axis % x.dim(), group)
+
+
+def gather_reduce(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Concatenate the ranks' partitions along ``axis``; backward sums the gradients over the ranks
+    and keeps this rank's chunk (for a sharded consumer, whose gradients are partial)."""
+    return x if group_size(group) == 1 else _GatherReduce.apply(x, axis % x.dim(), group)
+
+
+def all_to_all(x: torch.Tensor, split_axis: int, join_axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Re-partition: ``x`` is this rank's slice along ``join_axis``; the result is this rank's slice
+    along ``split_axis`` (whole along ``join_axis``). Backward is the reverse re-partition."""
+    if group_size(group) == 1:
+        return x
+    split_axis, join_axis = split_axis % x.dim(), join_axis % x.dim()
+    if split_axis == join_axis:
+        raise ValueError(f"all_to_all: the split and join axes must differ (both are {split_axis})")
+    return _AllToAll.apply(x, split_axis, join_axis, group)
 
 
 def all_gather_tensor(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:

@@ -15,6 +15,7 @@ becomes a slice of its output.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._patterns import has_normal_form, normal_form
-from ._schedule import INIT_PARTS, ModuleState, state_of
+from ._schedule import INIT_PARTS, ModuleState, checkpointed_call, state_of
 from ._sharding import is_conv1d
 from .errors import PatternError, ScheduleError, TraceError
 
@@ -96,6 +97,8 @@ class _Tracer(fx.Tracer):
                 )
             return False
         if _has_schedule_effects(st) or isinstance(m, (_FusedSlice, _Fused, *self.leaf_types)):
+            return True
+        if getattr(type(m), "slapo_leaf", False):  # a module that asks to stay a call (slapo_tune.op)
             return True
         if has_normal_form(m):  # kept as a call, so patterns can match its normal form
             return True
@@ -237,13 +240,13 @@ def _pattern_graph(node, pattern: Callable):
     return nf
 
 
-def find_pattern(node, pattern: Callable) -> list[Match]:
+def find_pattern(node, pattern: Callable, *, allow_empty: bool = False) -> list[Match]:
     """Every non-overlapping match of ``pattern`` in ``node``'s graph.
 
     ``pattern`` is a function of tensors or an ``nn.Module``; it may call functionals or modules,
     and module calls match their functional forms (``_patterns``: the pattern and a copy of the
     target graph are matched in one normal form). Raises :class:`PatternError`, never anything else,
-    when the pattern cannot be matched or matches nothing.
+    when the pattern cannot be matched or matches nothing (with ``allow_empty``: returns ``[]``).
     """
     from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
@@ -285,7 +288,7 @@ def find_pattern(node, pattern: Callable) -> list[Match]:
                        key=order.get)
         inputs = [bound(m.nodes_map[p]) for p in pat.placeholders if p in m.nodes_map]
         matches.append(Match(node, pattern, inner, inputs, target.origin[m.returning_nodes[0]]))
-    if not matches:
+    if not matches and not allow_empty:
         name = getattr(pattern, "__name__", type(pattern).__name__)
         raise PatternError(f"find('{node.path}'): {name} matches nothing in the traced graph of {node.path or 'the model'}")
     return matches
@@ -345,6 +348,36 @@ def extract_match(match: Match) -> fx.GraphModule:
         env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(env[match.output])
     return fx.GraphModule(gm, graph, "FusedSubgraph")
+
+
+def _reading_parameters_outside(match: Match) -> Match:
+    """The match without its parameter reads (``get_attr`` nodes), which become operands: a copy of
+    the match then reads the model's parameters at every call, including those that ``shard`` or
+    ``build`` replaced after the copy was made."""
+    return dataclasses.replace(match, nodes=[n for n in match.nodes if n.op != "get_attr"])
+
+
+def fuse_match(match: Match, compiler: str, name: str) -> str:
+    """The matched subgraph, compiled with ``compiler``, as one call; returns the submodule's name."""
+    match = _reading_parameters_outside(match)
+    return replace_match(match, compile_fn(extract_match(match), compiler), name, operands=True)
+
+
+class _CheckpointedSubgraph:
+    """Runs a copy of a matched subgraph under activation checkpointing. Not a module: the modules
+    the subgraph calls stay children of the traced module (paths and state-dict keys unchanged)."""
+
+    def __init__(self, subgraph: fx.GraphModule, policy: str):
+        self.subgraph, self.policy = subgraph, policy
+
+    def __call__(self, *args):
+        return checkpointed_call(self.subgraph, self.policy, *args)
+
+
+def checkpoint_match(match: Match, policy: str) -> str:
+    """Checkpoint only the matched subgraph: its inner activations are recomputed in backward."""
+    match = _reading_parameters_outside(match)
+    return replace_match(match, _CheckpointedSubgraph(extract_match(match), policy), "checkpointed", operands=True)
 
 
 def compile_fn(fn: Callable, compiler: str) -> Callable:
@@ -425,3 +458,16 @@ def replace_horizontal(nodes: list, make: Callable | nn.Module, name: str | None
 
 
 FUSED_FROM = "fused_from"
+
+
+def replace_call(gm: fx.GraphModule, node: fx.Node, fn: Callable) -> None:
+    """One operation of a traced graph (a function, method or module call) becomes
+    ``fn(*node.args, **node.kwargs)`` (a method's first argument is its tensor)."""
+    if node.graph is not gm.graph or node.op not in ("call_function", "call_method", "call_module"):
+        raise PatternError(f"replace(): {node.name} is not an operation of this traced module's graph")
+    with gm.graph.inserting_after(node):
+        call = gm.graph.call_function(fn, node.args, node.kwargs)
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()

@@ -27,13 +27,13 @@ from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _comm
-from ._sharding import PARTIAL, REPLICATED, Layout, ShardSpec, partition, rule_for
+from ._sharding import PARTIAL, REPLICATED, Layout, ShardEffect, ShardSpec, partition, rule_for
 from .errors import ScheduleError, ScheduleKeyError, ShardingError, SyncError
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 TRACED_FROM = "_slapo_traced_from"
 INIT_PARTS = "_slapo_init_parts"  # {param: [(path, original module, param name), ...]} of a fused module
-SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
+SYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter", "all_to_all")
 
 # Selective activation recomputation (Korthikanti et al., 2022, "Reducing Activation Recomputation
 # in Large Transformer Models"): keep the outputs of the linear layers' matmuls, whose recomputation
@@ -65,6 +65,8 @@ class SyncSpec:
     op: str | Callable
     axis: int
     group: ProcessGroup | None = field(default=None, compare=False, repr=False)
+    join_axis: int | None = None  # all_to_all: the partitioned axis made whole
+    reduce_grad: bool = False  # all_gather: reduce-scatter the gradient (a sharded consumer)
 
     def __deepcopy__(self, memo):
         clone = copy.copy(self)
@@ -83,7 +85,9 @@ class SyncSpec:
         if self.op == "all_reduce":
             return _comm.reduce_fwd(x, self.group)
         if self.op == "all_gather":
-            return _comm.gather(x, self.axis, self.group)
+            return (_comm.gather_reduce if self.reduce_grad else _comm.gather)(x, self.axis, self.group)
+        if self.op == "all_to_all":
+            return _comm.all_to_all(x, self.axis, self.join_axis, self.group)
         if self.op == "reduce_scatter":
             return _comm.reduce_scatter(x, self.axis, self.group)
         return _comm.scatter(x, self.axis, self.group)
@@ -158,6 +162,7 @@ def _layout_after(sync: SyncSpec, layout: Layout | None) -> Layout | None:
         "all_gather": REPLICATED,
         "reduce_scatter": partition(sync.axis),
         "scatter": partition(sync.axis),
+        "all_to_all": partition(sync.axis),
     }[sync.op]
 
 
@@ -243,16 +248,22 @@ class _ScheduledForward:
             fn = type(module).forward.__get__(module)
         if st.forks_rng:
             fn = functools.partial(_forked_rng_call, fn, st.rng_group)
-        if st.checkpointed and torch.is_grad_enabled():
-            # Non-reentrant checkpointing supports keyword inputs and replays the RNG state, so
-            # dropout masks are identical in the recomputation.
-            policy_fn = CHECKPOINT_POLICIES[st.checkpoint_policy]
-            selective = {} if policy_fn is None else {
-                "context_fn": functools.partial(create_selective_checkpoint_contexts, policy_fn)}
-            return torch.utils.checkpoint.checkpoint(
-                fn, *args, use_reentrant=False, preserve_rng_state=True, **selective, **kwargs
-            )
+        if st.checkpointed:
+            return checkpointed_call(fn, st.checkpoint_policy, *args, **kwargs)
         return fn(*args, **kwargs)
+
+
+def checkpointed_call(fn: Callable, policy: str, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under activation checkpointing with ``policy`` (when gradients are on)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    # Non-reentrant checkpointing supports keyword inputs and replays the RNG state, so dropout
+    # masks are identical in the recomputation.
+    policy_fn = CHECKPOINT_POLICIES[policy]
+    selective = {} if policy_fn is None else {
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, policy_fn)}
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                                             **selective, **kwargs)
 
 
 def _forked_rng_call(fn: Callable, group: ProcessGroup | None, *args, **kwargs):
@@ -506,8 +517,7 @@ class Schedule:
         match = target[0] if isinstance(target, Sequence) and len(target) == 1 else target
         if not isinstance(match, _graph.Match):
             raise ScheduleError(f"fuse('{self.path}'): target must be a Match from find()")
-        sub = _graph.extract_match(match)
-        return _graph.replace_match(match, _graph.compile_fn(sub, compiler), name, operands=True)
+        return _graph.fuse_match(match, compiler, name)
 
     def replace_all(self, module_type: type[nn.Module], make_fn: Callable[[nn.Module], nn.Module]) -> int:
         """Replace every descendant of type ``module_type`` by ``make_fn(old_module)``; returns the count."""
@@ -518,17 +528,17 @@ class Schedule:
             node.replace(new)
         return len(replacements)
 
-    def _owners(self, tensor: torch.Tensor) -> list[tuple[nn.Module, str]]:
+    def _owners(self, tensor: torch.Tensor, buffer: bool = False) -> list[tuple[nn.Module, str]]:
         """Every (module, attribute) in the whole model that holds ``tensor`` (ties included)."""
         return [
             (m, n)
             for m in self.root.mod.modules()
-            for n, p in m._parameters.items()
+            for n, p in (m._buffers if buffer else m._parameters).items()
             if p is tensor
         ]
 
     def shard(self, param_names: str | Sequence[str], axis: int, *, num_fused: int | Sequence[int] = 1) -> None:
-        """Keep this rank's 1/world_size slice of parameter(s) along ``axis``.
+        """Keep this rank's 1/world_size slice of parameter(s) or buffer(s) along ``axis``.
 
         The module's size attributes follow (for ``Linear``, ``Conv1D``, ``Embedding``), and the
         layouts of its input and output are inferred: sharding the output features makes the output
@@ -536,7 +546,9 @@ class Schedule:
         ``sync("fwd_post", "all_reduce")``); sharding an embedding's vocabulary masks foreign ids
         and makes the output partial. Tied parameters are sharded once, for every module holding
         them. ``num_fused`` splits a fused axis block by block: a count of equal blocks (QKV = 3) or
-        the block sizes (grouped-query QKV: ``[q, k, v]`` features).
+        the block sizes (grouped-query QKV: ``[q, k, v]`` features). A buffer (a mask, a per-feature
+        scale) is sliced the same way; nothing about the module's sizes or layouts is inferred
+        from it, and ``build`` materialises it at full size before slicing, as a parameter.
         """
         names = [param_names] if isinstance(param_names, str) else list(param_names)
         blocks = tuple(num_fused) if isinstance(num_fused, Sequence) else ()
@@ -546,18 +558,21 @@ class Schedule:
         size, rank = self.world_size, self.rank
         plans = []
         for name in names:
-            param = self.mod._parameters.get(name)
+            is_buffer = name not in self.mod._parameters and self.mod._buffers.get(name) is not None
+            param = self.mod._buffers.get(name) if is_buffer else self.mod._parameters.get(name)
             if param is None:
-                have = ", ".join(repr(n) for n, p in self.mod.named_parameters(recurse=False)) or "none"
+                have = ", ".join(repr(n) for n, _ in self.mod.named_parameters(recurse=False)) or "none"
+                buffers = ", ".join(repr(n) for n, _ in self.mod.named_buffers(recurse=False))
                 raise ShardingError(
-                    f"shard('{self.path}'): {type(self.mod).__name__} has no parameter '{name}' (parameters: {have})"
+                    f"shard('{self.path}'): {type(self.mod).__name__} has no parameter '{name}' (parameters: {have}"
+                    + (f"; buffers: {buffers})" if buffers else ")")
                 )
             if not -param.dim() <= axis < param.dim():
                 raise ShardingError(
                     f"shard('{self.path}.{name}'): axis {axis} is out of range for a {param.dim()}-d parameter"
                 )
             ax = axis % param.dim()
-            owners = self._owners(param)
+            owners = self._owners(param, is_buffer)
             for m, n in owners:
                 st = state_of(m)
                 if st is not None and n in st.shards:
@@ -578,17 +593,18 @@ class Schedule:
             effects = []
             for m, n in owners:
                 st = state_of(m) or ModuleState()
-                effects.append((m, n, rule_for(m).effect(m, n, ax, size, {**st.shards, n: spec})))
-            plans.append((param, spec, effects))
-        for param, spec, effects in plans:
+                effect = ShardEffect() if is_buffer else rule_for(m).effect(m, n, ax, size, {**st.shards, n: spec})
+                effects.append((m, n, effect))
+            plans.append((param, spec, effects, is_buffer))
+        for param, spec, effects, is_buffer in plans:
             if param.device.type == "meta":
                 data = torch.empty(spec.local_shape, dtype=param.dtype, device="meta")
             else:
                 data = spec.take(param.detach())
-            new_param = nn.Parameter(data, requires_grad=param.requires_grad)
+            new_param = data if is_buffer else nn.Parameter(data, requires_grad=param.requires_grad)
             for m, n, eff in effects:
                 st = state_of(m, create=True)
-                m._parameters[n] = new_param
+                (m._buffers if is_buffer else m._parameters)[n] = new_param
                 st.shards[n] = spec
                 for attr, value in eff.attrs.items():
                     setattr(m, attr, value)
@@ -606,15 +622,23 @@ class Schedule:
         st = state_of(self.mod)
         return st is not None and param_name in st.shards
 
-    def sync(self, mode: str, op: str | Callable = "all_reduce", *, axis: int = -1) -> None:
+    def sync(self, mode: str, op: str | Callable = "all_reduce", *, axis: int = -1, join_axis: int | None = None,
+             reduce_grad: bool = False) -> None:
         """Attach a communication to this module's boundary.
 
         ``mode``: ``"fwd_pre"`` (on the first tensor input, forward), ``"fwd_post"`` (on the output,
         forward; on the first element of a tuple output) or ``"bwd_post"`` (on the gradient of the
         first tensor input, i.e. after this module's backward). ``op``: ``"all_reduce"``,
-        ``"all_gather"``, ``"reduce_scatter"``, ``"scatter"`` (each with its conjugate backward), or a
-        callable ``fn(tensor, group) -> tensor``. A sync that contradicts the inferred layout is
-        refused: an all-reduce of a partitioned output, an all-gather of a partial one, ...
+        ``"all_gather"``, ``"reduce_scatter"``, ``"scatter"``, ``"all_to_all"`` (each with its
+        conjugate backward), or a callable ``fn(tensor, group) -> tensor``. A sync that contradicts
+        the inferred layout is refused: an all-reduce of a partitioned output, an all-gather of a
+        partial one, ...
+
+        ``all_gather`` keeps this rank's chunk of the gradient in backward (the consumer is
+        replicated); with ``reduce_grad=True`` it reduce-scatters it instead (the consumer is
+        sharded, e.g. column-parallel layers). ``all_to_all`` re-partitions a tensor sliced along
+        ``join_axis`` into slices along ``axis`` (DeepSpeed-Ulysses: ``axis=2, join_axis=1`` turns
+        sequence-sharded ``[batch, seq, heads, dim]`` into head-sharded).
         """
         if mode not in SYNC_MODES:
             raise SyncError(f"sync('{self.path}'): mode must be one of {', '.join(SYNC_MODES)}, got {mode!r}")
@@ -627,7 +651,12 @@ class Schedule:
                 f"sync('{self.path}', 'bwd_post'): only all_reduce (or a callable) applies to input gradients; "
                 f"for {op} use fwd_pre, whose backward is the conjugate"
             )
-        spec = SyncSpec(mode, op, axis, self.group)
+        if (op == "all_to_all") != (join_axis is not None):
+            raise SyncError(f"sync('{self.path}'): join_axis goes with all_to_all, and all_to_all needs one "
+                            f"(the axis the input is partitioned along), got op={op!r}, join_axis={join_axis!r}")
+        if reduce_grad and op != "all_gather":
+            raise SyncError(f"sync('{self.path}'): reduce_grad applies to all_gather only, not {op!r}")
+        spec = SyncSpec(mode, op, axis, self.group, join_axis, reduce_grad)
         st = state_of(self.mod) or ModuleState()
         if not callable(op):
             self._check_sync_layout(spec, st)
@@ -644,6 +673,7 @@ class Schedule:
                 "reduce_scatter": ("partial",),
                 "all_gather": ("partition",),
                 "scatter": ("replicated",),
+                "all_to_all": ("partition",),
             }[s.op]
             if layout is not None and layout.kind not in wanted:
                 raise SyncError(f"{where}: the output is {layout}, so {s.op} would be wrong (it needs a {wanted[0]} tensor)")
@@ -665,7 +695,7 @@ class Schedule:
         if produces is not None and produces.kind != expected.kind:
             raise SyncError(f"{where}: the module expects a {expected} input, but {s.op} produces a {produces} one")
 
-    def checkpoint(self, policy: str = "full") -> None:
+    def checkpoint(self, policy: str = "full", target: Any = None) -> str | None:
         """Recompute this module's activations in backward instead of keeping them.
 
         ``policy="full"`` keeps only the module's inputs and recomputes its whole forward;
@@ -674,12 +704,23 @@ class Schedule:
         time between no checkpointing and full (Megatron's selective recomputation).
         Non-reentrant (keyword inputs work, e.g. Hugging Face layers), and the RNG state is
         replayed, so dropout masks in the recomputation equal the first ones: results are exact.
+
+        With ``target``, a :class:`~slapo_tune._graph.Match` from :meth:`find` on this traced
+        module, only that subgraph is checkpointed: it becomes one submodule call whose inner
+        activations are recomputed (its inputs and result are kept); returns the submodule's name.
         """
         if policy not in CHECKPOINT_POLICIES:
             raise ScheduleError(
                 f"checkpoint('{self.path}'): unknown policy {policy!r}; the policies are "
                 + ", ".join(repr(p) for p in CHECKPOINT_POLICIES)
             )
+        if target is not None:
+            from . import _graph
+
+            match = target[0] if isinstance(target, Sequence) and len(target) == 1 else target
+            if not isinstance(match, _graph.Match) or match.owner.mod is not self.mod:
+                raise ScheduleError(f"checkpoint('{self.path}'): target must be a Match from this node's find()")
+            return _graph.checkpoint_match(match, policy)
         if isinstance(self.mod, nn.ModuleList | nn.ModuleDict):
             raise ScheduleError(
                 f"checkpoint('{self.path}'): a {type(self.mod).__name__} has no forward; checkpoint its children"
@@ -690,6 +731,7 @@ class Schedule:
         st = state_of(self.mod, create=True)
         st.checkpointed, st.checkpoint_policy = True, policy
         _ensure_forward_patched(self.mod)
+        return None
 
     def fork_rng(self) -> None:
         """Give each tensor-parallel rank its own dropout stream inside this module.
@@ -748,4 +790,65 @@ def create_schedule(model: nn.Module, group: ProcessGroup | None = None) -> Sche
     return Schedule(model, group=group)
 
 
-__all__ = ["Schedule", "create_schedule", "state_of", "ModuleState", "SyncSpec", "Layout", "PARTIAL"]
+# the primitives every node has (methods of Schedule), and those added by register_primitive
+BUILTIN_PRIMITIVES = ("replace", "replace_all", "shard", "sync", "checkpoint", "trace", "find", "fuse", "decompose",
+                      "cut_pipeline_stage", "annotate", "fork_rng", "set_attr")
+_REGISTERED: dict[str, Callable] = {}
+
+
+def registered_primitive(name: str) -> Callable | None:
+    """The function registered as primitive ``name`` (None for a built-in or unknown name)."""
+    return _REGISTERED.get(name)
+
+
+def register_primitive(primitive: Callable | type | None = None, *, name: str | None = None):
+    """Add a primitive to every schedule node: ``sch[path].<name>(*args)`` calls
+    ``primitive(node, *args)``.
+
+    ``primitive`` is a function of the node, or a class with a static ``apply(sch, ...)`` and
+    optionally a static ``name()`` (Slapo's form). Use as ``@register_primitive`` or
+    ``@register_primitive(name="...")``. The name defaults to the function's (or ``name()``);
+    a name a node already has is refused. Returns ``primitive`` unchanged.
+    """
+
+    def register(obj: Callable | type):
+        apply = getattr(obj, "apply", None) if isinstance(obj, type) else obj
+        if not callable(apply):
+            raise ScheduleError(f"register_primitive(): {obj!r} is neither a function nor a class with apply(sch, ...)")
+        key = name
+        if key is None:
+            key = obj.name() if isinstance(obj, type) and callable(getattr(obj, "name", None)) else obj.__name__
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ScheduleError(f"register_primitive(): {key!r} is not a usable name (an identifier not starting with _)")
+        if key in _REGISTERED or hasattr(Schedule, key):
+            what = "registered already" if key in _REGISTERED else "a built-in attribute of schedule nodes"
+            raise ScheduleError(f"register_primitive(): '{key}' is {what}; choose another name")
+
+        @functools.wraps(apply)
+        def method(self, *args, **kwargs):
+            return apply(self, *args, **kwargs)
+
+        setattr(Schedule, key, method)
+        _REGISTERED[key] = apply
+        return obj
+
+    return register if primitive is None else register(primitive)
+
+
+def unregister_primitive(name: str) -> None:
+    """Remove a primitive added by :func:`register_primitive`."""
+    if name not in _REGISTERED:
+        raise ScheduleError(f"unregister_primitive(): no registered primitive '{name}'")
+    del _REGISTERED[name]
+    delattr(Schedule, name)
+
+
+def list_primitives(name_only: bool = True) -> list[str] | dict[str, Callable]:
+    """The primitives of a schedule node: names (built-in first, then registered ones), or, with
+    ``name_only=False``, ``{name: function}`` (a built-in's is the :class:`Schedule` method)."""
+    table = {**{n: getattr(Schedule, n) for n in BUILTIN_PRIMITIVES}, **_REGISTERED}
+    return list(table) if name_only else table
+
+
+__all__ = ["Schedule", "create_schedule", "state_of", "ModuleState", "SyncSpec", "Layout", "PARTIAL",
+           "register_primitive", "unregister_primitive", "list_primitives"]

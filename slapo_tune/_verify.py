@@ -279,12 +279,14 @@ def verify(
     n_microbatches: int = 1,
     pipeline_schedule: str = "1f1b",
     step=None,
+    init_weights=None,
 ) -> VerifyReport:
     """Compare a scheduled model with its unscheduled ``reference`` on ``inputs``.
 
     ``model`` may be a built module or a :class:`Schedule` (built here with ``seed``); a
     ``reference`` on the meta device is materialised with the same ``seed``, so both hold the same
-    weights. Every rank must call ``verify`` (gathers are collectives).
+    weights (``init_weights``: a custom initialiser for both, see :func:`slapo_tune.build`). Every
+    rank must call ``verify`` (gathers are collectives).
 
     A model built with a topology (pipeline stages, data parallelism) runs one
     :class:`~slapo_tune.runtime.TrainStep` on the global batch ``inputs`` (``step``, or one made with
@@ -297,7 +299,7 @@ def verify(
     anything diverges beyond ``tolerance`` (default by dtype: 1e-4 for fp32, 2e-2 for bf16).
     """
     if isinstance(model, Schedule):
-        model = build(model, seed=seed)
+        model = build(model, seed=seed, init_weights=init_weights)
     from ._pipeline import StageModule, VirtualStages
 
     if isinstance(model, StageModule | VirtualStages):
@@ -308,7 +310,7 @@ def verify(
                              deterministic=deterministic, raise_on_failure=raise_on_failure)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     if any(t.device.type == "meta" for t in list(reference.parameters()) + list(reference.buffers())):
-        materialize(reference, seed=seed, device=device)
+        materialize(reference, seed=seed, device=device, init_weights=init_weights)
     dtype = next(model.parameters()).dtype
     tol = tolerance if tolerance is not None else DEFAULT_RTOL.get(dtype, 1e-4)
     _check_same_inputs(inputs, device)

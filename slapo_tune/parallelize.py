@@ -141,31 +141,16 @@ SEQUENCE_AXIS = -2
 SEQUENCE_PARTIAL = "sequence_partial"  # annotation: the gradient is partial over the tp group
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather the sequence shards (forward); reduce-scatter the gradient (backward).
-
-    The backward is a reduce-scatter, not ``_comm.gather``'s "keep my chunk": what follows the
-    gather is column parallel, so each rank's gradient of the gathered tensor is a partial sum
-    over the ranks' feature slices (without sequence parallelism: the bwd_post all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _comm._all_gather(x, SEQUENCE_AXIS % x.dim(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _comm._reduce_scatter(grad, SEQUENCE_AXIS % grad.dim(), ctx.group), None
-
-
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """A ``sync`` op: the sequence-sharded input of a tensor-parallel region, whole (see
-    :class:`_GatherSequence`). The whole tensor is remembered with its shard, so that under
+    """A ``sync`` op: the sequence-sharded input of a tensor-parallel region, whole. Its backward
+    is a reduce-scatter, not ``_comm.gather``'s "keep my chunk": what follows the gather is column
+    parallel, so each rank's gradient of the gathered tensor is a partial sum over the ranks'
+    feature slices (without sequence parallelism: the bwd_post all-reduce). The whole tensor is remembered with its shard, so that under
     :func:`sequence_parallel_activations` what the region's linear layers save of it for backward
     is the shard (see there)."""
     if _comm.group_size(group) == 1:
         return x
-    whole = _GatherSequence.apply(x, group)
+    whole = _comm.gather_reduce(x, SEQUENCE_AXIS, group)
     key = id(whole)
     _GATHERED[key] = (weakref.ref(whole, lambda _, key=key: _GATHERED.pop(key, None)), x.detach(), group)
     return whole

@@ -1,0 +1,353 @@
+"""Slapo's public call forms over slapo-tune: ``import slapo_tune.compat as slapo`` runs a schedule
+written for Slapo (awslabs/slapo).
+
+Every call maps onto slapo-tune's own primitives, with Slapo's argument names, defaults and return
+values: ``sync(mode, sync_op_or_fn, axis=0)`` with hook functions, ``find`` returning
+``[[(parent_name, node), ...]]`` (``[]`` when nothing matches), ``replace_all(type, fn(name, mod))``,
+``checkpoint(subgraph)``, ``fuse(subgraph, compiler="TorchScript")``, ``build`` returning
+``(model, optimizer)``, ``Verify`` as a context manager. The README's "Running Slapo schedules"
+section lists what differs and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from . import _graph, _schedule, op  # noqa: F401  (op: Slapo's slapo.op)
+from ._build import build as _build
+from ._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
+from ._verify import VerifyReport
+from ._verify import verify as _verify
+from .errors import ScheduleError, VerificationError
+
+# Slapo's compiler names -> torch.compile backends (TorchScript is deprecated in PyTorch; None
+# grouped the subgraph into one module without compiling it)
+COMPILERS: dict[str | None, str] = {"TorchScript": "inductor", None: "eager"}
+# Slapo's resharding schemes over the last two axes (R: replicated, S: sharded) -> (op, axis, join axis)
+RESHARD: dict[str, tuple[str | None, int, int | None]] = {
+    "RR->RS": ("scatter", -1, None), "RR->SR": ("scatter", -2, None),
+    "RS->RR": ("all_gather", -1, None), "SR->RR": ("all_gather", -2, None),
+    "RS->SR": ("all_to_all", -2, -1), "SR->RS": ("all_to_all", -1, -2),
+    "RR->RR": (None, 0, None), "RS->RS": (None, 0, None), "SR->SR": (None, 0, None),
+}
+_HOOKS = {"fwd_pre": "register_forward_pre_hook", "fwd_post": "register_forward_hook",
+          "bwd_post": "register_full_backward_hook"}
+
+
+class Subgraph(list):
+    """One match of ``find``: ``[(parent_name, node), ...]`` (Slapo's shape), remembering the match."""
+
+    def __init__(self, match: _graph.Match):
+        super().__init__(("", n) for n in match.nodes)
+        self.match = match
+
+
+def _match_of(subgraphs: Any, primitive: str) -> _graph.Match:
+    """The match a Slapo subgraph argument stands for (``find``'s whole result or one element)."""
+    if isinstance(subgraphs, Subgraph):
+        return subgraphs.match
+    if isinstance(subgraphs, Sequence) and len(subgraphs) == 1 and isinstance(subgraphs[0], Subgraph):
+        return subgraphs[0].match
+    if isinstance(subgraphs, Sequence) and len(subgraphs) > 1 and all(isinstance(s, Subgraph) for s in subgraphs):
+        raise ScheduleError(
+            f"{primitive}(): the pattern matched {len(subgraphs)} subgraphs; slapo-tune acts on one match at a time "
+            f"(pass [subgraphs[i]]); for Slapo's horizontal fusion of sibling layers use "
+            "slapo_tune's replace(slapo_tune.fuse_linears, target=[nodes])")
+    raise ScheduleError(f"{primitive}(): expected a subgraph returned by find(), got {type(subgraphs).__name__}")
+
+
+class Schedule:
+    """A schedule node with Slapo's primitives, over a slapo-tune node (found again by its path
+    at every call, so replacements made through either API are seen)."""
+
+    def __init__(self, root: _schedule.Schedule, path: str = ""):
+        self._root, self.path = root, path
+
+    # ------------------------------------------------------------------ tree
+    @property
+    def _node(self) -> _schedule.Schedule:
+        return self._root[self.path]
+
+    @property
+    def mod(self) -> nn.Module:
+        return self._node.mod
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(".")[2]
+
+    @property
+    def parent(self) -> Schedule | None:
+        return None if not self.path else Schedule(self._root, self.path.rpartition(".")[0])
+
+    @property
+    def child(self) -> dict[str, Schedule]:
+        return {name: self[name] for name in self._node.child}
+
+    @property
+    def group(self):
+        return self._node.group
+
+    @property
+    def rank(self) -> int:
+        return self._node.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._node.world_size
+
+    def __getitem__(self, path: str) -> Schedule:
+        full = f"{self.path}.{path}" if self.path and path else (path or self.path)
+        self._root[full]  # noqa: B018 - raises ScheduleKeyError (a KeyError) naming the closest paths
+        return Schedule(self._root, full)
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._node
+
+    def __repr__(self) -> str:
+        return f"compat.Schedule(path={self.path!r}, module={type(self.mod).__name__})"
+
+    def named_schedules(self, prefix: str = "") -> Iterator[tuple[str, Schedule]]:
+        for rel, _ in self._node.named_schedules():
+            yield (f"{prefix}.{rel}" if prefix and rel else prefix or rel), (self[rel] if rel else self)
+
+    def get_top_schedule(self) -> Schedule:
+        return Schedule(self._root)
+
+    def get_module(self, name: str) -> nn.Module:
+        return self.mod.get_submodule(name)
+
+    def __getattr__(self, name: str):
+        primitive = _schedule.registered_primitive(name)
+        if primitive is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute or primitive {name!r}")
+        return lambda *args, **kwargs: primitive(self, *args, **kwargs)
+
+    # ------------------------------------------------------------ primitives
+    def shard(self, tensor_name: str, axis: int, *, num_fused: int | Sequence[int] = 1) -> None:
+        """Slapo's ``shard``; ``num_fused`` (slapo-tune's) shards a fused QKV block by block."""
+        self._node.shard(tensor_name, axis, num_fused=num_fused)
+
+    def sync(self, mode: str, sync_op_or_fn: str | Callable, **kwargs) -> None:
+        """Slapo's ``sync``: an op name (``axis`` defaults to 0; ``all_gather`` reduce-scatters its
+        gradient unless ``tensor_parallel_output_grad=False``), a resharding scheme
+        (``"RS->SR"``, ...), or a hook function registered as ``mode`` says."""
+        unknown = set(kwargs) - {"axis", "tensor_parallel_output_grad"}
+        if unknown:
+            raise ScheduleError(f"sync('{self.path}'): unknown argument(s) {', '.join(sorted(unknown))}")
+        if callable(sync_op_or_fn):
+            if mode not in _HOOKS:
+                raise ScheduleError(f"sync('{self.path}'): mode must be one of {', '.join(_HOOKS)}, got {mode!r}")
+            getattr(self.mod, _HOOKS[mode])(sync_op_or_fn)
+            return
+        axis = kwargs.get("axis", 0)
+        if isinstance(sync_op_or_fn, str) and "->" in sync_op_or_fn:
+            if sync_op_or_fn not in RESHARD:
+                raise ScheduleError(f"sync('{self.path}'): unknown resharding scheme {sync_op_or_fn!r}; "
+                                    f"known: {', '.join(RESHARD)}")
+            op_name, axis, join_axis = RESHARD[sync_op_or_fn]
+            if op_name is not None:
+                self._node.sync(mode, op_name, axis=axis, join_axis=join_axis)
+            return
+        reduce_grad = sync_op_or_fn == "all_gather" and kwargs.get("tensor_parallel_output_grad", True)
+        self._node.sync(mode, sync_op_or_fn, axis=axis, reduce_grad=reduce_grad)
+
+    def replace(self, new_mod_or_func: nn.Module | Callable, target_ops: Any = None, name: str | None = None,
+                concrete_args: dict | None = None) -> None:
+        """Slapo's ``replace``: the whole module, a subgraph from ``find``, or one node from
+        ``find_node`` (``(parent_name, node)``: that call becomes ``new(*node.args)``)."""
+        if concrete_args:
+            raise ScheduleError(f"replace('{self.path}'): concrete_args is not supported; the replacement "
+                                "takes the subgraph's inputs (bind constants with functools.partial)")
+        if target_ops is None:
+            self._node.replace(new_mod_or_func)
+        elif isinstance(target_ops, tuple) and len(target_ops) == 2 and isinstance(target_ops[1], fx.Node):
+            _graph.replace_call(self._traced(), target_ops[1], new_mod_or_func)
+        else:
+            self._node.replace(new_mod_or_func, target=_match_of(target_ops, "replace"),
+                               name=name or getattr(type(new_mod_or_func), "__name__", "replaced"))
+
+    def replace_all(self, target_mod_type: type[nn.Module], make_mod_fn: Callable, **kwargs) -> None:
+        """Slapo's ``replace_all``: every module of the type becomes ``make_mod_fn(path, module, **kwargs)``."""
+        paths = {id(node.mod): path for path, node in self._node.named_schedules()}
+        self._node.replace_all(target_mod_type, lambda mod: make_mod_fn(paths[id(mod)], mod, **kwargs))
+
+    def checkpoint(self, subgraph: Any = None, order_args_fn: Callable | None = None) -> None:
+        """Slapo's ``checkpoint``: the module, or a subgraph from ``find``. ``order_args_fn`` is
+        not needed (keyword inputs are checkpointed as they are) and not used. Afterwards
+        ``sch.mod.mod`` is the module, as under Slapo's wrapper, which slapo-tune does not add."""
+        if subgraph is not None:
+            self._node.checkpoint(target=_match_of(subgraph, "checkpoint"))
+            return
+        module = self.mod
+        self._node.checkpoint()
+        if "mod" not in module.__dict__ and "mod" not in module._modules and not hasattr(type(module), "mod"):
+            module.__dict__["mod"] = module  # not a child: paths and state-dict keys stay the same
+
+    def trace(self, recursive: bool = True, flatten: bool = False, **kwargs) -> bool:
+        """Slapo's ``trace`` (one flat graph; ``leaf_modules``: names of module types kept as calls).
+        Raises :class:`~slapo_tune.TraceError` where Slapo returned False."""
+        if isinstance(self.mod, fx.GraphModule):
+            return True
+        leaf_names = set(kwargs.pop("leaf_modules", ()))
+        kwargs.pop("tracer", None)
+        if kwargs:
+            raise ScheduleError(f"trace('{self.path}'): unsupported argument(s) {', '.join(sorted(kwargs))}")
+        leaves = tuple({type(m) for m in self.mod.modules() if type(m).__name__ in leaf_names})
+        self._node.trace(leaf_types=leaves)
+        return True
+
+    def _traced(self) -> fx.GraphModule:
+        self.trace()
+        return self.mod
+
+    def find_node(self, regex_or_pattern_fn: str | Callable[[fx.Node], bool]) -> list[tuple[str, fx.Node]]:
+        """Nodes of this (traced) module: module calls whose target matches a regex at its start,
+        or nodes for which a predicate holds; as ``(parent_name, node)``."""
+        nodes = self._traced().graph.nodes
+        if isinstance(regex_or_pattern_fn, str):
+            regex = re.compile(regex_or_pattern_fn)
+            return [("", n) for n in nodes if n.op == "call_module" and regex.match(n.target)]
+        return [("", n) for n in nodes if regex_or_pattern_fn(n)]
+
+    def find(self, regex_or_pattern_fn: str | Callable) -> list:
+        """A regex: :meth:`find_node`. A pattern function: its subgraphs, ``[[(parent_name, node),
+        ...], ...]``, ``[]`` when nothing matches (a pattern that cannot be matched raises
+        :class:`~slapo_tune.PatternError`)."""
+        if isinstance(regex_or_pattern_fn, str):
+            return self.find_node(regex_or_pattern_fn)
+        self.trace()
+        return [Subgraph(m) for m in _graph.find_pattern(self._node, regex_or_pattern_fn, allow_empty=True)]
+
+    def fuse(self, subgraph: Any, compiler: str | None = "TorchScript", name: str = "FusedModule") -> None:
+        """Slapo's ``fuse``: ``"TorchScript"`` compiles with torch.compile (inductor), ``None``
+        keeps the subgraph as one uncompiled call; other torch.compile backends pass through."""
+        self._node.fuse(_match_of(subgraph, "fuse"), COMPILERS.get(compiler, compiler), name=name)
+
+    def decompose(self) -> None:
+        self._node.decompose()
+
+    def cut_pipeline_stage(self) -> None:
+        self._node.cut_pipeline_stage()
+
+    def annotate(self, param_name: str, key: str, value: Any) -> None:
+        self._node.annotate(param_name, key, value)
+
+    def fork_rng(self) -> None:
+        self._node.fork_rng()
+
+
+def create_schedule(root: nn.Module, name: str = "", path: str = "", parent: Any = None, group=None,
+                    **kwargs) -> Schedule:
+    """Slapo's ``create_schedule`` (``name``, ``path`` and ``parent`` are Slapo's internals: a
+    schedule is created for a whole model here)."""
+    if name or path or parent is not None or kwargs:
+        raise ScheduleError("create_schedule(): pass the model and optionally group=; a sub-schedule is sch[path]")
+    return Schedule(_schedule.create_schedule(root, group=group))
+
+
+def build(sch: Schedule, target: str | None = None, init_weights: bool | Callable = True,
+          **kwargs) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Slapo's ``build``: ``(model, optimizer)``. ``init_weights``: True or False (real tensors are
+    never re-initialised, meta ones always are), or ``fn(module)`` / ``fn(module, path)``.
+    ``optimizer``: a factory (``torch.optim.AdamW`` or ``lambda params: ...``) called with the built
+    model's parameters. Other keywords go to :func:`slapo_tune.build` (device, dtype, seed,
+    topology, zero, precision)."""
+    if target is not None:
+        raise ScheduleError(f"build(target={target!r}): slapo-tune runs pipelines and data parallelism itself; "
+                            "pass topology=slapo_tune.topology.init_topology(...) instead of a framework target")
+    optimizer = kwargs.pop("optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ScheduleError("build(optimizer=...): pass a factory (e.g. torch.optim.AdamW); an optimizer made "
+                            "before build holds the unsharded, unmaterialised parameters")
+    model = _build(sch._root, init_weights=init_weights if callable(init_weights) else None, **kwargs)
+    return model, (optimizer(model.parameters()) if optimizer is not None else None)
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    """A loss that weighs every element of the first output differently (a plain sum would give
+    every element the same gradient and hide a permuted output)."""
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    tensor = output if isinstance(output, torch.Tensor) else next(
+        t for t in (output.values() if isinstance(output, Mapping) else output) if isinstance(t, torch.Tensor))
+    weights = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(2023), dtype=torch.float64)
+    return (tensor.double() * weights.to(tensor.device)).sum()
+
+
+class Verify(contextlib.ContextDecorator):
+    """Slapo's ``Verify``: ``with Verify(sch, example_inputs): <primitives>`` checks on exit that
+    the scheduled model computes what the model computed on entry: outputs, loss and every
+    gradient (slapo-tune's :func:`~slapo_tune.verify`; Slapo compared forward outputs). Raises
+    :class:`~slapo_tune.VerificationError` (an ``AssertionError``); ``self.report`` keeps the report.
+    ``loss_fn(output)``: default the output's ``loss``, else a fixed random weighting of it."""
+
+    def __init__(self, sch: Schedule, example_inputs: Any, device: str | torch.device | None = None,
+                 eval_mode: bool = True, enable: bool = True, *, loss_fn: Callable | None = None,
+                 tolerance: float | None = None, init_weights: Callable | None = None):
+        self.sch, self.enable, self.eval_mode = sch, enable, eval_mode
+        self.inputs = example_inputs if isinstance(example_inputs, Mapping | list | tuple) else [example_inputs]
+        self.device, self.loss_fn, self.tolerance, self.init_weights = device, loss_fn, tolerance, init_weights
+        self.reference: nn.Module | None = None
+        self.report: VerifyReport | None = None
+
+    def __enter__(self) -> Verify:
+        if self.enable:
+            model = self.sch.get_top_schedule().mod
+            if any(state_of(m) is not None and state_of(m).shards for m in model.modules()):
+                raise VerificationError("Verify: the model is already sharded, so it cannot serve as the reference; "
+                                        "open Verify before the first shard()")
+            self.reference = copy.deepcopy(model)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        if not self.enable or exc_type is not None:
+            return False
+        top = self.sch.get_top_schedule()
+        model = _build(top._root, init_weights=self.init_weights)
+        device = self.device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        model.to(device)
+        inputs = {k: self._same_on_every_rank(v, device) for k, v in self.inputs.items()} \
+            if isinstance(self.inputs, Mapping) else tuple(self._same_on_every_rank(v, device) for v in self.inputs)
+        self.report = _verify(model, self.reference, inputs, loss_fn=self.loss_fn or _default_loss,
+                              tolerance=self.tolerance, deterministic=self.eval_mode, init_weights=self.init_weights)
+        model.zero_grad(set_to_none=True)
+        return False
+
+    def _same_on_every_rank(self, value: Any, device) -> Any:
+        """Rank 0's input on every rank of the schedule's group, as Slapo broadcast it."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.to(device)
+        group = self.sch.group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            value = value.clone()
+            dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return value
+
+
+def checkpoint(function: Callable, *args, **kwargs):
+    """Slapo's ``checkpoint``: ``function(*args, **kwargs)`` with activation checkpointing (the RNG
+    state replayed, keyword inputs allowed)."""
+    return _schedule.checkpointed_call(function, "full", *args, **kwargs)
+
+
+@contextlib.contextmanager
+def init_empty_weights(enable: bool = True) -> Iterator[None]:
+    """Slapo's ``init_empty_weights``: modules created inside live on the meta device (``build``
+    gives them values)."""
+    with torch.device("meta") if enable else contextlib.nullcontext():
+        yield
+
+
+__all__ = ["COMPILERS", "RESHARD", "Schedule", "Subgraph", "Verify", "build", "checkpoint", "create_schedule",
+           "init_empty_weights", "list_primitives", "op", "register_primitive"]
