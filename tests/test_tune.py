@@ -124,43 +124,61 @@ def _is_loopback(address: str) -> bool:
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # ::ffff:127.0.0.1 too
 
 
-def test_tune_end_to_end(tmp_path, ray_tmp):
-    """... and the local head listens on the loopback only: every listening socket of the driver,
-    the head it started (by the head's PID) and their processes (GCS, raylet, dashboard and agents,
-    client server, trial actors), gathered while the study runs; its temp folder is gone after."""
-    out, mark = tmp_path / "study", uuid.uuid4().hex
-    env = _env(tmp_path, mark, ray_tmp)
+def _run_watched(cmd: list[str], env: dict[str, str], out: Path, logs: Path, watch: dict, *,
+                 kill_after_launched: int | None = None) -> subprocess.Popen:
+    """Run the tuner, gathering meanwhile (into ``watch``) every listening socket of the driver, the
+    head it started (by the head's PID) and their processes (GCS, raylet, dashboard and agents,
+    client server, trial actors), and the trial actors' names from the dashboard's state API.
+    With ``kill_after_launched``: SIGKILL the driver once that many trials were launched."""
     # (output to files: sockets are watched until the end, nobody reads a pipe meanwhile)
-    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "4", "--out",
-                                 str(out)], env=env, stdout=stdout, stderr=stderr)
-    seen: set[str] = set()
-    listening: set[tuple[str, str, int]] = set()
-    head_pids: list[int] = []
+    with open(logs.with_suffix(".out"), "w") as stdout, open(logs.with_suffix(".err"), "w") as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr)
     try:
         deadline = time.monotonic() + 900
         while proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(OSError, ValueError, KeyError):
-                head_pids = head_pids or [json.loads((out / ".ray_head.json").read_text())["pid"]]
-                listening |= _listening([proc.pid, *head_pids])
-                seen = seen or _dashboard_trial_names(out, tmp_path / "home")  # trial actors, by name
+                watch["head"] = json.loads((out / ".ray_head.json").read_text())["pid"]
+                watch["listening"] |= _listening([proc.pid, watch["head"]])
+                watch["names"] |= _dashboard_trial_names(out, Path(env["HOME"]))  # trial actors, by name
+            if kill_after_launched and (out / "trials.csv").is_file() \
+                    and len(_launched_points(_rows(out), KNOBS)) >= kill_after_launched:
+                assert proc.poll() is None, "the first run finished before it could be killed"
+                proc.send_signal(signal.SIGKILL)
+                break
             time.sleep(0.5)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
-    assert proc.returncode == 0, stderr[-3000:]
+    return proc
+
+
+def test_tune_killed_and_resumed_end_to_end(tmp_path, ray_tmp):
+    """One study through a local head: the driver SIGKILLed after 2 trials, the same command resumes
+    it to exactly the requested 4 (none twice), prunes by the cost model, exports the best schedule,
+    shows its trial actors by name in the dashboard, and the head (its agents, workers, ranks)
+    listens on the loopback only and leaves no process and no temp folder behind."""
+    out, mark = tmp_path / "study", uuid.uuid4().hex
+    env = _env(tmp_path, mark, ray_tmp)
+    cmd = [sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "4", "--out", str(out)]
+    watch: dict = {"listening": set(), "names": set()}
+    first = _run_watched(cmd, env, out, tmp_path / "first", watch, kill_after_launched=2)
+    assert first.returncode == -signal.SIGKILL
+    assert len(_launched_points(_rows(out), KNOBS)) == 2
+    second = _run_watched(cmd, env, out, tmp_path / "second", watch)
+    stdout, stderr = (tmp_path / "second.out").read_text(), (tmp_path / "second.err").read_text()
+    assert second.returncode == 0, stderr[-3000:]
+    seen, listening = watch["names"], watch["listening"]
     assert seen and all(" rank " in name and "tp=" in name for name in seen), seen
     names = {name for name, _, _ in listening}
     assert {"gcs_server", "raylet", "ray::DashboardAgent"} <= names, listening
     assert any(name.startswith("ray::_RankActor") for name in names), listening  # a trial's ranks too
     assert [s for s in listening if not _is_loopback(s[1])] == []
-    assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the head's temp folder went with it
+    assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the re-attached head's temp folder went with it
     frame = _rows(out)
     launched = _launched_points(frame, KNOBS)
-    assert len(launched) == 4 and len(set(launched)) == 4  # no point ran twice
+    assert len(launched) == 4 and len(set(launched)) == 4  # exactly the requested trials, none twice
     pruned = {tuple(r) for r in frame[frame.status == "pruned"][KNOBS].itertuples(index=False)}
     assert pruned and not pruned & set(launched)  # pruned points were never launched
     assert (frame[frame.status == "pruned"].pruned_peak > 4 * 2**20).all()  # by the mode that pruned it
@@ -175,34 +193,6 @@ def test_tune_end_to_end(tmp_path, ray_tmp):
     assert "best:" in stdout and "slapo-tune show" in stdout
     _assert_nothing_left(mark)
     assert main(["show", str(out)]) == 0
-
-
-def test_resume_after_the_driver_is_killed(tmp_path, ray_tmp):
-    out, mark = tmp_path / "study", uuid.uuid4().hex
-    env = _env(tmp_path, mark, ray_tmp)
-    cmd = [sys.executable, "-m", "slapo_tune.cli", "tune", *TUNE, "--trials", "3", "--strategy", "random",
-           "--out", str(out)]
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and first.poll() is None:
-            if (out / "trials.csv").is_file() and len(_launched_points(_rows(out), KNOBS)) >= 2:
-                break
-            time.sleep(0.5)
-        assert first.poll() is None, "the first run finished before it could be killed"
-        first.send_signal(signal.SIGKILL)
-    finally:
-        first.kill()
-        first.wait()
-    before = len(_launched_points(_rows(out), KNOBS))
-    assert before == 2
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert second.returncode == 0, second.stderr[-3000:]
-    frame = _rows(out)
-    launched = _launched_points(frame, KNOBS)
-    assert len(launched) == 3 and len(set(launched)) == 3  # exactly the requested trials, none twice
-    _assert_nothing_left(mark)
-    assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the re-attached head's temp folder went with it
 
 
 @pytest.mark.parametrize("extra,message", [
