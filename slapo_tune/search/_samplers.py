@@ -186,8 +186,11 @@ class Guided(OrderedSampler):
     known and not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`). Points
     the cost model says cannot fit come last. The search stops early once no remaining point can
     beat the best measured one by more than the noise, even at the optimistic end of its
-    uncertainty. A measured out-of-memory point (or one exact mode pruned) puts every point
-    predicted to need as much memory after the others. Deterministic: exact ties go to the first point in the space's order (as
+    uncertainty. A point predicted to need more than the budget (yet not pruned: the memory
+    model's optimistic end fits) counts by its expected throughput: its score adds the log of its
+    chance to fit, the memory model's error taken as normal with :attr:`MEMORY_SPREAD`. A measured
+    out-of-memory point (or one exact mode pruned) puts every point predicted to need as much
+    memory after the others. Deterministic: exact ties go to the first point in the space's order (as
     ``model``'s), whatever the seed."""
 
     RIDGE = 1.0  # pseudo-observations per knob value: how far one measurement moves a correction
@@ -197,6 +200,7 @@ class Guided(OrderedSampler):
     PRIOR_SPREAD = 0.3  # the time model's log-error assumed before measurements tell it (about 35 %)
     PRIOR_WEIGHT = 4  # measurements the assumed spread counts as (a few fitted points are overconfident)
     MIN_MEASURED = 4  # measured points before the search may stop early
+    MEMORY_SPREAD = 0.05  # relative error of a predicted peak (the analytic model's, within 10 % at worst)
 
     def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
                  known: KnownReader | None = None, peak: Callable[[Point], float] | None = None) -> None:
@@ -278,6 +282,15 @@ class Guided(OrderedSampler):
         return [i for i, key in enumerate(t["keys"]) if key not in known
                 and not beyond_the_frontier(t["mb"][i], t["ckpt"][i], seen.get(t["group"][i], ()))]
 
+    def _log_chance_to_fit(self, peaks: np.ndarray) -> np.ndarray:
+        """log P(true peak <= budget) / P(a peak predicted at the budget fits) of points of predicted
+        ``peaks``: 0 for those predicted to fit (and without a budget)."""
+        budget = self.problem.spec.memory_budget
+        if not budget:
+            return np.zeros(len(peaks))
+        z = np.minimum(budget - peaks, 0.0) / (self.MEMORY_SPREAD * np.maximum(peaks, 1.0))
+        return np.log(np.maximum(np.vectorize(math.erfc)(-z / math.sqrt(2)), 1e-300))
+
     def next_point(self, known: Known) -> Point | None:
         t = self._tables()
         open_ = self._open(known)
@@ -290,7 +303,7 @@ class Guided(OrderedSampler):
         if best is not None and measured >= self.MIN_MEASURED and not np.any(can_beat):
             self.stopped_early = True
             return None
-        score = corrected + self.EXPLORE * deviation
+        score = corrected + self.EXPLORE * deviation + self._log_chance_to_fit(t["peak"][candidates])
         # a measured out-of-memory point (or one exact mode pruned: analytic mode let it through)
         # says the memory model is optimistic up to its predicted peak: the points predicted to need
         # as much or more are tried after every other
