@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ._patterns import has_normal_form, normal_form
+from ._patterns import has_normal_form, named_calls, normal_form
 from ._schedule import INIT_PARTS, ModuleState, checkpointed_call, state_of
 from ._sharding import is_conv1d
 from .errors import PatternError, ScheduleError, TraceError
@@ -255,7 +255,7 @@ def find_pattern(node, pattern: Callable, *, allow_empty: bool = False) -> list[
         raise TraceError(f"find('{node.path}'): {type(gm).__name__} is not traced; call trace() on it first")
     pat = _pattern_graph(node, pattern)
     target = normal_form(gm.graph, gm.get_submodule, opaque=lambda m: _has_schedule_effects(state_of(m)),
-                         pattern=False)
+                         pattern=False, named=named_calls(pat.graph))
     try:
         found = SubgraphMatcher(pat.graph, match_output=False, match_placeholder=False,
                                 remove_overlapping_matches=True).match(target.graph)

@@ -1,4 +1,4 @@
-"""One normal form for pattern matching: module calls and their functional spellings.
+r"""One normal form for pattern matching: module calls and their functional spellings.
 
 A model may compute a GELU as ``nn.GELU()``, ``F.gelu`` or Hugging Face's ``NewGELUActivation``;
 a pattern may be written either way too. Before matching, both the pattern's graph and a copy of
@@ -13,7 +13,9 @@ the target graph are rewritten into one normal form, so the spelling does not ma
 * any other module call matches a call of a module of the same type, whatever its attributes
   (``nn.BatchNorm2d(3)`` in a pattern matches every ``BatchNorm2d``);
 * a tensor a pattern holds (a pattern module's parameter, a constant) matches any tensor of the
-  model: a pattern says what is computed, not with which weights.
+  model: a pattern says what is computed, not with which weights;
+* :func:`call_module` in a pattern (``call_module(r"mlp\.c_fc", x)``) matches a call of any module
+  whose path (relative to the traced module) the regular expression matches from its start.
 
 Only the copy is rewritten: matches are reported on the target's own nodes, so a fused match runs
 exactly the operations the model ran.
@@ -22,6 +24,7 @@ exactly the operations the model ran.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +145,33 @@ def call_of_type(cls: type) -> Callable:
     return call
 
 
+@functools.cache
+def call_named(regex: str) -> Callable:
+    """The normal form's stand-in for calling a module whose path ``regex`` matches (never run)."""
+
+    def call(*args, **kwargs):
+        raise RuntimeError("a normal-form graph is for matching only")
+
+    call.__name__ = call.__qualname__ = "call_module"
+    call.regex = re.compile(regex)
+    return call
+
+
+def call_module(name_regex: str, *args: Any) -> Any:
+    """In a pattern: a call of any module whose path matches ``name_regex`` (Python's ``re.match``)
+    with ``args``; for a pattern only (it is recorded while the pattern is traced, never run)."""
+    proxies = [a for a in args if isinstance(a, fx.Proxy)]
+    if not proxies:
+        raise RuntimeError("call_module is for patterns passed to find(), not for running")
+    re.compile(name_regex)  # a bad expression fails here, where the pattern is written
+    return proxies[0].tracer.create_proxy("call_function", call_named(name_regex), args, {})
+
+
+def named_calls(graph: fx.Graph) -> list[re.Pattern]:
+    """The module-path expressions a pattern's :func:`call_module` calls match."""
+    return [n.target.regex for n in graph.nodes if n.op == "call_function" and hasattr(n.target, "regex")]
+
+
 @dataclass
 class NormalForm:
     """A graph in normal form and how its nodes relate to the graph it was made from."""
@@ -154,12 +184,14 @@ class NormalForm:
 
 
 def normal_form(graph: fx.Graph, module_at: Callable[[str], nn.Module], *, opaque: Callable[[nn.Module], bool],
-                pattern: bool) -> NormalForm:
+                pattern: bool, named: list[re.Pattern] = ()) -> NormalForm:
     """``graph`` rewritten into the normal form (a new graph; ``graph`` is left as it is).
 
     ``module_at`` resolves a ``call_module`` target; modules for which ``opaque`` holds (hooks,
     syncs, checkpointing change what they compute) are kept as calls nothing in a pattern matches.
     In a ``pattern`` the tensors it holds become wildcards (placeholders listed in ``held``).
+    A call of a module whose path one of ``named`` matches becomes that expression's stand-in
+    (:func:`call_named`), as a pattern's :func:`call_module` is.
     """
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -178,7 +210,10 @@ def normal_form(graph: fx.Graph, module_at: Callable[[str], nn.Module], *, opaqu
         args = fx.map_arg(node.args, env.__getitem__)
         kwargs = fx.map_arg(node.kwargs, env.__getitem__)
         new = None
-        if node.op == "call_module":
+        by_name = next((r for r in named if r.match(node.target)), None) if node.op == "call_module" else None
+        if by_name is not None and not opaque(module_at(node.target)):
+            new = out.call_function(call_named(by_name.pattern), args, kwargs)
+        elif node.op == "call_module":
             module = module_at(node.target)
             found = None if opaque(module) else module_form(module)
             if found is not None and not kwargs and len(args) == 1:

@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from . import _graph, _schedule, op  # noqa: F401  (op: Slapo's slapo.op)
 from ._build import build as _build
+from ._patterns import call_module  # noqa: F401  (re-exported: Slapo's slapo.pattern.call_module)
 from ._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
 from ._verify import VerifyReport
 from ._verify import verify as _verify
@@ -341,6 +342,14 @@ def checkpoint(function: Callable, *args, **kwargs):
     return _schedule.checkpointed_call(function, "full", *args, **kwargs)
 
 
+class Pattern(nn.Module):
+    """Slapo's pattern class: subclass it and write ``forward`` as the subgraph to find (it may use
+    :func:`call_module` for a module named by a regular expression); pass an instance to ``find``."""
+
+    def forward(self, *args):
+        raise NotImplementedError("a Pattern subclass defines forward as the subgraph to find")
+
+
 @contextlib.contextmanager
 def init_empty_weights(enable: bool = True) -> Iterator[None]:
     """Slapo's ``init_empty_weights``: modules created inside live on the meta device (``build``
@@ -349,5 +358,5 @@ def init_empty_weights(enable: bool = True) -> Iterator[None]:
         yield
 
 
-__all__ = ["COMPILERS", "RESHARD", "Schedule", "Subgraph", "Verify", "build", "checkpoint", "create_schedule",
-           "init_empty_weights", "list_primitives", "op", "register_primitive"]
+__all__ = ["COMPILERS", "RESHARD", "Pattern", "Schedule", "Subgraph", "Verify", "build", "call_module", "checkpoint",
+           "create_schedule", "init_empty_weights", "list_primitives", "op", "register_primitive"]

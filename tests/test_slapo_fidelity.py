@@ -219,6 +219,31 @@ def test_compat_find_shapes_and_empty_result():
         sch.find(lambda x: (x, x))
 
 
+class _FcThenGelu(slapo.Pattern):
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def forward(self, x):
+        return F.gelu(slapo.call_module(self.name, x))
+
+
+def test_compat_pattern_class_with_a_module_named_by_a_regex():
+    """Slapo's Pattern subclass calling call_module(regex): it matches the module the expression
+    names (from the start of its path), and nothing when the expression names a module whose
+    output is not what the pattern computes next."""
+    sch = slapo.create_schedule(nn.Sequential(TinyMLP(), TinyMLP()))
+    sch["0"].trace()
+    found = sch["0"].find(_FcThenGelu(r"fc\d"))
+    assert len(found) == 1 and [n.target for _, n in found[0]] == ["fc1", F.gelu]
+    assert sch["0"].find(_FcThenGelu("fc2")) == []  # fc2's output is added to x, not GELU'd
+    assert sch["0"].find(_FcThenGelu("drop")) == []
+    with pytest.raises(NotImplementedError):
+        slapo.Pattern()(torch.ones(1))
+    with pytest.raises(RuntimeError, match="for patterns"):
+        slapo.call_module("fc1", torch.ones(1))
+
+
 def test_compat_primitive_forms():
     model = nn.Sequential(TinyMLP(), TinyMLP())
     sch = slapo.create_schedule(model)
