@@ -11,6 +11,7 @@ number.
 from __future__ import annotations
 
 import math
+import os
 import socket
 import statistics
 import time
@@ -126,7 +127,20 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
             "times": measured.times, "waits": measured.waits, "remeasured": measured.remeasured,
             "peak": measured.peak.total, "reserved": measured.peak.reserved, "rss": peak_rss_bytes(),
             "losses": measured.losses, "started": started, "finished": time.time(), "cores": usable_cores(),
-            "node": f"{socket.gethostname()}:{ctx.device}"}
+            "node": f"{socket.gethostname()}:{_device_name(ctx.device)}"}
+
+
+def _device_name(device) -> str:
+    """``cpu``, or ``gpuN`` by the GPU's index on its host (a local rank sees its own GPU alone, as
+    ``cuda:0``: its CUDA_VISIBLE_DEVICES names it)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = device.index or 0
+    return f"gpu{visible[index] if index < len(visible) else index}"
 
 
 # ---------------------------------------------------------------------------- driver side

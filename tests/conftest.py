@@ -105,7 +105,7 @@ def ray_cluster():
     """A two-node local Ray cluster (2 logical CPUs each, dashboard on 127.0.0.1) with token
     authentication (the token in its HOME's ~/.ray/auth_token), as Ray 2.60 clusters run, for
     this test session only: its own temp dir and HOME, shut down at the end of the session. Its
-    health checks declare a dead node in about 3 s (Ray's default: about 30 s)."""
+    health checks declare a dead node in about 10 s (Ray's default: about 30 s)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
@@ -117,9 +117,13 @@ def ray_cluster():
     from slapo_tune.search._cluster import _free_port, ensure_auth_token
 
     ensure_auth_token()  # the nodes and every client of the session read it
+    # this process imported Ray already: its cached configuration re-read, so that it sends the token
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    _enable_token_auth()
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port(),
-        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     # workers import test helpers (fault-injecting templates) from this folder, as ranks do locally

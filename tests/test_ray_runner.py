@@ -158,7 +158,7 @@ def test_a_node_lost_mid_trial_is_one_lost_trial_and_the_next_fits_what_is_left(
     monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored after
     log = tmp_path / "ray.log"
     route_ray_messages(log)  # as the tuner's connect does
-    victim = ray_cluster.worker_nodes[0]
+    victim = next(iter(ray_cluster.worker_nodes))
     head_node = next(n["NodeID"][:8] for n in ray.nodes() if n["Alive"] and n["NodeID"] != victim.node_id)
     runner = RayRunner()
     spec = _spec(name="trial-lost", measured_steps=40)
@@ -179,14 +179,37 @@ def test_a_node_lost_mid_trial_is_one_lost_trial_and_the_next_fits_what_is_left(
         after = runner.run(_spec(name="trial-after-loss", measured_steps=1))
         assert after.status == "ok", (after.status, after.error)
         assert {place.split("/")[1].split(":")[0] for place in after.nodes} == {head_node}
-        time.sleep(1)  # Ray's messages on the dead raylet arrive within a second of its death
-        console = capfd.readouterr()
+        console = capfd.readouterr()  # (Ray's messages on the dead raylet came within a second of its death)
         assert "Raylet is terminated" not in console.out + console.err
         assert log.read_text().count("Raylet is terminated") == 1, log.read_text()
     finally:
         ray_cluster.remove_node(victim, allow_graceful=False)
         ray_cluster.add_node(num_cpus=2)
         ray_cluster.wait_for_nodes()
+
+
+def test_after_a_lost_node_the_next_trial_is_sized_from_the_nodes_alive(monkeypatch):
+    """Ray's total still counts the dead node (4 CPUs): the runner waits until Ray declares the
+    node dead, then sizes a world-4 trial from the 2 CPUs alive (half a CPU a rank, not 1)."""
+    from runners.ray_runner import RayRunner
+
+    nodes = [{"NodeID": "head", "Alive": True, "Resources": {"CPU": 2.0}},
+             {"NodeID": "lost", "Alive": True, "Resources": {"CPU": 2.0}}]
+    asked = []
+
+    def listed():
+        asked.append(1)
+        if len(asked) == 3:  # declared dead on the third look
+            nodes[1]["Alive"] = False
+        return [dict(n) for n in nodes]
+
+    monkeypatch.setattr(ray, "nodes", listed)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0})
+    runner = RayRunner.__new__(RayRunner)  # no cluster: only its sizing
+    runner.cpus_per_rank, runner.concurrency = None, 1
+    runner._await_dead({"head", "lost"})
+    assert len(asked) == 3
+    assert runner._bundle(_spec()) == {"CPU": 0.5}
 
 
 def test_the_rendezvous_interface_is_the_one_holding_the_node_address():
