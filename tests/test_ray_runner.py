@@ -226,6 +226,12 @@ def test_the_rendezvous_interface_is_the_one_holding_the_node_address():
     assert environ == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
     environ = {}
     assert choose_interface("10.9.9.9", environ, interfaces) is None and environ == {}
+    # --net-if: both variables in the runtime environment of the driver's job, beside what it held
+    from slapo_tune.search._cluster import with_interface
+
+    assert with_interface({"env_vars": {"A": "1"}, "pip": ["x"]}, "ib0") == {
+        "env_vars": {"A": "1", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}, "pip": ["x"]}
+    assert with_interface(None, None) is None
 
 
 def test_keep_dashboard_leaves_the_head_up_and_prints_the_command_that_stops_it(tmp_path):

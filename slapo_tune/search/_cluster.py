@@ -319,11 +319,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
     from runners.ray_runner import RayRunner
 
     namespace = "slapo-tune"
-    if net_if:  # read by gloo and NCCL in every rank actor of this job
-        from runners.ray_runner import INTERFACE_VARIABLES
-
-        runtime_env = dict(runtime_env or {})
-        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **dict.fromkeys(INTERFACE_VARIABLES, net_if)}
+    runtime_env = with_interface(runtime_env, net_if)
     if ray_address == "local":
         head_file = out / HEAD_FILE
         recorded = json.loads(head_file.read_text()) if head_file.is_file() else None
@@ -351,6 +347,18 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         cluster.stop()
         raise
     return cluster
+
+
+def with_interface(runtime_env: dict | None, net_if: str | None) -> dict | None:
+    """``runtime_env`` with GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME set to ``net_if`` (``tune
+    --net-if``), which every rank actor of this driver's job then reads."""
+    if not net_if:
+        return runtime_env
+    from runners.ray_runner import INTERFACE_VARIABLES
+
+    runtime_env = dict(runtime_env or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **dict.fromkeys(INTERFACE_VARIABLES, net_if)}
+    return runtime_env
 
 
 def _fit(concurrency: int | None, world_size: int, device: DeviceSetup) -> int:
