@@ -113,7 +113,6 @@ def ray_cluster():
     os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)  # Cluster() expects it under RAY_TMPDIR
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "HOME", "RAY_AUTH_MODE")}
     os.environ.update(RAY_TMPDIR=ray_tmp, HOME=ray_tmp, RAY_AUTH_MODE="token")
-    # a free dashboard port: a fixed one (8265) fails while another Ray runs on this machine
     from slapo_tune.search._cluster import _free_port, ensure_auth_token
 
     ensure_auth_token()  # the nodes and every client of the session read it
@@ -121,10 +120,13 @@ def ray_cluster():
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
     _enable_token_auth()
+    # free ports for the dashboard and each node's dashboard agent: fixed ones (8265, 52365) are
+    # taken while another Ray runs on this machine (a head without its agent takes no Ray Jobs)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port(),
+        "dashboard_agent_listen_port": _free_port(),
         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}})
-    cluster.add_node(num_cpus=2)
+    cluster.add_node(num_cpus=2, dashboard_agent_listen_port=_free_port())
     cluster.wait_for_nodes()
     # workers import test helpers (fault-injecting templates) from this folder, as ranks do locally
     ray.init(address=cluster.address, namespace="slapo-tune-tests", log_to_driver=False,

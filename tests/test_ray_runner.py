@@ -117,10 +117,10 @@ def test_a_ray_job_tunes_into_shared_storage_and_export_reads_it_back(ray_cluste
 
     journal = tmp_path / "shared" / "study.journal"
     client = JobSubmissionClient(f"http://{ray_cluster.webui_url}")
-    job = client.submit_job(entrypoint=(
-        f"{sys.executable} -m slapo_tune tune --ray-address auto --world-size 4 --trials 2 --confirm 0 "
-        f"--measured-steps 1 --trial-timeout 3m --storage {journal} --study job-study --out {tmp_path / 'job-out'} "
-        f"--quiet"))
+    entrypoint = (f"{sys.executable} -m slapo_tune tune --ray-address auto --world-size 4 --trials 2 --confirm 0 "
+                  f"--measured-steps 1 --trial-timeout 3m --storage {journal} --study job-study "
+                  f"--out {tmp_path / 'job-out'} --runtime-env package --quiet")
+    job = client.submit_job(entrypoint=entrypoint)
     deadline = time.monotonic() + 400
     while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
         assert time.monotonic() < deadline, client.get_job_logs(job)[-3000:]
@@ -153,7 +153,7 @@ def test_a_node_lost_mid_trial_is_one_lost_trial_and_the_next_fits_what_is_left(
     from ray.util.state import list_actors
 
     from runners.ray_runner import RayRunner
-    from slapo_tune.search._cluster import route_ray_messages
+    from slapo_tune.search._cluster import _free_port, route_ray_messages
 
     monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored after
     log = tmp_path / "ray.log"
@@ -184,7 +184,7 @@ def test_a_node_lost_mid_trial_is_one_lost_trial_and_the_next_fits_what_is_left(
         assert log.read_text().count("Raylet is terminated") == 1, log.read_text()
     finally:
         ray_cluster.remove_node(victim, allow_graceful=False)
-        ray_cluster.add_node(num_cpus=2)
+        ray_cluster.add_node(num_cpus=2, dashboard_agent_listen_port=_free_port())
         ray_cluster.wait_for_nodes()
 
 
