@@ -3,9 +3,13 @@
 Each trial gets fresh actors (a crashed or poisoned rank never carries over into the next trial)
 in a placement group of ``world_size`` bundles: GPU bundles when the trial runs on CUDA,
 (fractional) CPU bundles otherwise. Rank 0 hosts the rendezvous store on a port its OS picks, at
-its node's address (listening there only). Actors are named after the trial and its knobs, so the Ray dashboard shows
-what runs. On the first failure, or when the time limit passes, every actor is killed and the
-group removed, which frees the bundles at once.
+its node's address (listening there only); gloo and NCCL use the network interface that holds
+that address (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name one). Actors are named after
+the trial and its knobs, so the Ray dashboard shows what runs. On the first failure, or when the
+time limit passes, every actor is killed and the group removed, which frees the bundles at once.
+Each result names the node and device of every rank (``TrialResult.nodes``). After a trial lost a
+node, the next is sized from the nodes the cluster still has (once Ray has declared the lost one
+dead), not from the CPUs it had.
 """
 
 from __future__ import annotations
@@ -27,6 +31,35 @@ from .trial import TrialSpec, trial_rank
 # how long the other ranks are heard after a rank failed with only a peer's error: Ray's health
 # checks declare a node dead after about 30 s (a rank that simply died is reported in a second)
 LOST_RANK_GRACE = 60.0
+# how long, after a trial lost a node, the runner waits for Ray to declare that node dead before it
+# sizes the next trial's bundles (Ray's health checks take about 30 s)
+NODE_DEATH_WAIT = 60.0
+# the variables that name the network interface of gloo's and NCCL's connections
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def rendezvous_interface(ip: str, interfaces: dict[str, list[str]] | None = None) -> str | None:
+    """The network interface holding address ``ip`` (the node's Ray address), for gloo and NCCL:
+    on a host with several interfaces they would otherwise take the one the hostname resolves to,
+    which the other nodes may not reach. ``interfaces``: name -> addresses (default: this host's,
+    by psutil, which Ray ships). None when no interface holds it."""
+    if interfaces is None:
+        import psutil
+
+        interfaces = {name: [a.address for a in addresses] for name, addresses in psutil.net_if_addrs().items()}
+    return next((name for name, addresses in interfaces.items() if ip in addresses), None)
+
+
+def choose_interface(ip: str, environ=os.environ, interfaces: dict[str, list[str]] | None = None) -> str | None:
+    """Set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (where unset) in ``environ`` to the interface
+    holding ``ip``; one already set (``tune --net-if``, or the user's) wins for both. Returns the
+    interface used (None: left to gloo and NCCL)."""
+    chosen = next((environ[v] for v in INTERFACE_VARIABLES if environ.get(v)), None)
+    chosen = chosen or rendezvous_interface(ip, interfaces)
+    for variable in INTERFACE_VARIABLES:
+        if chosen and not environ.get(variable):
+            environ[variable] = chosen
+    return chosen
 
 
 def actor_name(spec: TrialSpec, point: dict[str, Any], rank: int) -> str:
@@ -62,10 +95,14 @@ class _RankActor:
                                     master_listen_fd=listener.detach())  # the store's socket from now on
         return host, self._store.port
 
-    def node_id(self) -> str:
+    def placement(self) -> tuple[str, str]:
+        """(node id, ``ADDRESS/NODE:DEVICE``): where this rank runs, as trials.csv records it."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        node = ray.get_runtime_context().get_node_id()
+        gpus = ray.get_gpu_ids()
+        device = f"gpu{gpus[0]}" if gpus else "cpu"
+        return node, f"{ray.util.get_node_ip_address()}/{node[:8]}:{device}"
 
     def run(self, host: str, port: int, spec: TrialSpec, point: dict[str, Any], timeout: float):
         from datetime import timedelta
@@ -76,6 +113,9 @@ class _RankActor:
         from slapo_tune.launch import RankContext, describe_exception
 
         try:
+            import ray
+
+            choose_interface(ray.util.get_node_ip_address())  # this node's address: what the other nodes reach
             setup = device_setup(spec.device)  # on this actor's node: a GPU bundle's node has CUDA
             device = setup.rank_device()  # Ray shows the actor only its own GPU: cuda:0
             collectives = timeout
@@ -124,6 +164,27 @@ class RayRunner(Runner):
         self.strategy, self.namespace, self.placement_timeout = strategy, namespace, placement_timeout
         self._actor_class = ray.remote(_RankActor)
         self._live: set = set()
+        self._placed: dict[str, list[tuple[str, str]]] = {}  # trial name -> each rank's (node id, place)
+
+    def run(self, spec: TrialSpec):
+        """The base runner's trial, with the node and device of every rank it placed; after a
+        lost node, first waits for Ray to declare it dead (the next trial is sized without it)."""
+        result = super().run(spec)
+        placed = self._placed.pop(spec.name, [])
+        result.nodes = [place for _, place in placed]
+        if result.status == TrialStatus.LOST and placed:
+            self._await_dead({node for node, _ in placed})
+        return result
+
+    def _await_dead(self, nodes: set[str]) -> None:
+        """Wait (up to NODE_DEATH_WAIT) until one of ``nodes`` is no longer alive in Ray's view."""
+        import ray
+
+        deadline = time.monotonic() + NODE_DEATH_WAIT
+        while time.monotonic() < deadline:
+            if any(not n.get("Alive", True) for n in ray.nodes() if n.get("NodeID") in nodes):
+                return
+            time.sleep(0.5)
 
     def cancel(self) -> None:
         import ray
@@ -137,7 +198,7 @@ class RayRunner(Runner):
         cuda = device_setup(spec.device, here=False).cuda  # the driver needs no GPU of its own
         cpus = self.cpus_per_rank
         if cpus is None:
-            resources = ray.cluster_resources()
+            resources = _alive_resources(ray)
             total = resources.get("CPU", 1.0)
             if cuda:
                 trials = default_concurrency("cuda", spec.world_size, int(resources.get("GPU", 0)))
@@ -180,8 +241,8 @@ class RayRunner(Runner):
             refs = {}
             try:
                 host, port = ray.get(actors[0].host_store.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                self.last_nodes = ray.get([a.node_id.remote() for a in actors],
-                                          timeout=max(1.0, deadline - time.monotonic()))
+                self._placed[spec.name] = ray.get([a.placement.remote() for a in actors],
+                                                  timeout=max(1.0, deadline - time.monotonic()))
                 refs = {a.run.remote(host, port, spec, point, spec.time_limit): rank for rank, a in enumerate(actors)}
             except GetTimeoutError:
                 raise RankFailure(f"timed out after {spec.time_limit:.0f} s starting the rank actors",
@@ -255,6 +316,20 @@ def _outcome(ray, ref, rank: int):
         failure.when = when
         return failure
     return message[1]
+
+
+def _alive_resources(ray) -> dict[str, float]:
+    """The resources of the nodes Ray holds alive (``ray.cluster_resources()`` may still count a
+    node that died a moment ago)."""
+    total: dict[str, float] = {}
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive", True)]
+    except Exception:  # noqa: BLE001 - a cluster that cannot list its nodes: its own total
+        return ray.cluster_resources()
+    for node in nodes:
+        for name, amount in node.get("Resources", {}).items():
+            total[name] = total.get(name, 0.0) + amount
+    return total
 
 
 def _placeable_share(ray, ranks: int, share: float) -> float:

@@ -11,6 +11,8 @@ number.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -76,6 +78,9 @@ class TrialResult:
     losses: list[float] = field(default_factory=list)  # rank 0's view of the last stage's losses
     wait_fraction: float | None = None  # worst run-queue wait / step time of the kept steps
     rank_cores: list[list[int]] = field(default_factory=list)  # the cores each rank could run on
+    # where each rank ran: ``HOST:DEVICE`` (local), ``ADDRESS/NODE:DEVICE`` (Ray: a node's address,
+    # the first 8 hex digits of its id, ``cpu`` or ``gpuN`` by the node's GPU ids)
+    nodes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str = ""  # one line: what failed
     error_type: str = ""
@@ -121,7 +126,21 @@ def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     return {"rank": ctx.rank, "stage": session.stage.info.index, "is_last": session.stage.info.is_last,
             "times": measured.times, "waits": measured.waits, "remeasured": measured.remeasured,
             "peak": measured.peak.total, "reserved": measured.peak.reserved, "rss": peak_rss_bytes(),
-            "losses": measured.losses, "started": started, "finished": time.time(), "cores": usable_cores()}
+            "losses": measured.losses, "started": started, "finished": time.time(), "cores": usable_cores(),
+            "node": f"{socket.gethostname()}:{_device_name(ctx.device)}"}
+
+
+def _device_name(device) -> str:
+    """``cpu``, or ``gpuN`` by the GPU's index on its host (a local rank sees its own GPU alone, as
+    ``cuda:0``: its CUDA_VISIBLE_DEVICES names it)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = device.index or 0
+    return f"gpu{visible[index] if index < len(visible) else index}"
 
 
 # ---------------------------------------------------------------------------- driver side
@@ -157,6 +176,7 @@ def summarize(spec: TrialSpec, point: dict[str, Any], per_rank: list[dict[str, A
         spread=spread, peak_memory=[r["peak"] for r in per_rank], peak_reserved=[r["reserved"] for r in per_rank],
         peak_rss=[r["rss"] for r in per_rank],
         losses=last["losses"], wait_fraction=wait, rank_cores=[r["cores"] for r in per_rank],
+        nodes=[r.get("node", "") for r in per_rank],
         warnings=warnings, wall_seconds=wall,
         train_seconds=max(r["finished"] for r in per_rank) - min(r["started"] for r in per_rank), runner=runner,
     )

@@ -109,22 +109,31 @@ def fake_group():
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A two-node local Ray cluster (2 logical CPUs each, dashboard on 127.0.0.1) for this test
-    session only: its own temp dir and HOME, shut down at the end of the session."""
+    """A two-node local Ray cluster (2 logical CPUs each, dashboard on 127.0.0.1) with token
+    authentication (the token in its HOME's ~/.ray/auth_token), as Ray 2.60 clusters run, for
+    this test session only: its own temp dir and HOME, shut down at the end of the session. Its
+    health checks declare a dead node in about 10 s (Ray's default: about 30 s)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     ray_tmp = os.path.join(_SESSION_TMP, "r")
     os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)  # Cluster() expects it under RAY_TMPDIR
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "HOME")}
-    os.environ.update(RAY_TMPDIR=ray_tmp, HOME=ray_tmp)
-    # a free dashboard port: a fixed one (8265) fails while another Ray runs on this machine
-    from slapo_tune.search._cluster import _free_port
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "HOME", "RAY_AUTH_MODE")}
+    os.environ.update(RAY_TMPDIR=ray_tmp, HOME=ray_tmp, RAY_AUTH_MODE="token")
+    from slapo_tune.search._cluster import _free_port, ensure_auth_token
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": True,
-                                                            "dashboard_host": "127.0.0.1",
-                                                            "dashboard_port": _free_port()})
-    cluster.add_node(num_cpus=2)
+    ensure_auth_token()  # the nodes and every client of the session read it
+    # this process imported Ray already: its cached configuration re-read, so that it sends the token
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    _enable_token_auth()
+    # free ports for the dashboard and each node's dashboard agent: fixed ones (8265, 52365) are
+    # taken while another Ray runs on this machine (a head without its agent takes no Ray Jobs)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port(),
+        "dashboard_agent_listen_port": _free_port(),
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}})
+    cluster.add_node(num_cpus=2, dashboard_agent_listen_port=_free_port())
     cluster.wait_for_nodes()
     # workers import test helpers (fault-injecting templates) from this folder, as ranks do locally
     ray.init(address=cluster.address, namespace="slapo-tune-tests", log_to_driver=False,

@@ -39,6 +39,11 @@ def test_verify_bad_knobs(capsys, argv, message):
     (["tune-everything"], "invalid choice: 'tune-everything'"),
     (["tune", "--confirm", "-1"], "expected an integer of 0 or more, got -1"),
     (["tune", "--confirm", "three"], "expected an integer of 0 or more, got 'three'"),
+    (["tune", "--ray-address", "none", "--keep-dashboard"], "--keep-dashboard keeps the head of --ray-address local"),
+    (["tune", "--runtime-env", "[1]"], "--runtime-env '[1]': expected package, a .whl file or a JSON object"),
+    (["export", "--out", "x"], "give the study's storage: --storage URL, --storage-file PATH or $SLAPO_TUNE_STORAGE"),
+    (["export", "--storage", "/nowhere/study.journal", "--out", "x"], "no study journal at /nowhere/study.journal"),
+    (["show", "results/x", "--study", "s"], "give a results folder or --storage/--storage-file (with --study)"),
 ])
 def test_other_bad_input(capsys, argv, message):
     code, out, err = _run(capsys, *argv)
@@ -174,3 +179,20 @@ def test_show_fits_100_columns_marks_the_best_and_names_units(tmp_path, capsys):
         assert capsys.readouterr().out == f.read()
     with open(tmp_path / "trials.csv", newline="") as f:
         assert {r["trial"]: r["memory_budget"] for r in csv_module.DictReader(f)} == {str(i): str(16 * 2**20) for i in range(3)}
+
+
+def test_export_names_what_is_wrong_with_the_study_asked_for(tmp_path, capsys):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = tmp_path / "study.journal"
+    storage = JournalStorage(JournalFileBackend(str(journal)))
+    for name in ("a", "b"):
+        optuna.create_study(study_name=name, storage=storage)
+    code, _, err = _run(capsys, "export", "--storage", str(journal), "--out", str(tmp_path / "o"))
+    assert code == 2 and err.strip().endswith("holds 2 studies (a, b): name one with --study"), err
+    code, _, err = _run(capsys, "show", "--storage", str(journal), "--study", "c")
+    assert code == 2 and err.strip().endswith("no study 'c' in " + str(journal) + " (it holds: a, b)"), err
+    code, _, err = _run(capsys, "export", "--storage", str(journal), "--study", "a", "--out", str(tmp_path / "o"))
+    assert code == 2 and "study 'a' in " in err and "was not written by slapo-tune tune" in err, err

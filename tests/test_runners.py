@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 import threading
 import time
 
@@ -40,6 +41,7 @@ def test_ok_trial_reports_throughput_memory_and_spread(no_leftover_children):
     assert len(result.step_times) == 3 and result.step_p25 <= result.step_p75
     assert result.spread == pytest.approx((result.step_p75 - result.step_p25) / sorted(result.step_times)[1])
     assert result.knobs["tp"] == 2 and result.knobs["dp"] == 1  # completed by the template
+    assert result.nodes == [f"{socket.gethostname()}:cpu"] * 2  # where each rank ran
     # the two ranks were pinned to cores of their own when there are enough of them
     if len({c for cores in result.rank_cores for c in cores}) >= 2:
         assert not set(result.rank_cores[0]) & set(result.rank_cores[1])

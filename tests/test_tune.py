@@ -179,6 +179,9 @@ def test_tune_killed_and_resumed_end_to_end(tmp_path, ray_tmp):
     frame = _rows(out)
     launched = _launched_points(frame, KNOBS)
     assert len(launched) == 4 and len(set(launched)) == 4  # exactly the requested trials, none twice
+    # each rank's place: the local head's node (on the loopback), on its CPU
+    head_node = {place.split(":")[0] for nodes in frame[frame.status == "ok"].nodes for place in nodes.split()}
+    assert len(head_node) == 1 and head_node.pop().startswith("127.0.0.1/"), frame.nodes.tolist()
     pruned = {tuple(r) for r in frame[frame.status == "pruned"][KNOBS].itertuples(index=False)}
     assert pruned and not pruned & set(launched)  # pruned points were never launched
     assert (frame[frame.status == "pruned"].pruned_peak > 4 * 2**20).all()  # by the mode that pruned it

@@ -108,3 +108,15 @@ def hardware_of(args: argparse.Namespace, setup: DeviceSetup, fallback: str | No
     if fallback and setup.cuda and not setup.gpus:
         return hardware(fallback), f"hardware {fallback} (default: no GPU visible here to detect it from)"
     return hardware_for(setup)
+
+
+def add_storage_arguments(p: argparse.ArgumentParser, default_help: str) -> None:
+    """``--storage URL`` or ``--storage-file PATH`` (one of them; see
+    :func:`slapo_tune.search._storage.storage_url`), and ``--study``."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--storage", default=None,
+                       help=f"Optuna storage URL, e.g. postgresql://user:pass@host/db (default: $SLAPO_TUNE_STORAGE, "
+                            f"else {default_help})")
+    where.add_argument("--storage-file", default=None, metavar="PATH",
+                       help="read the storage URL from this file's first line, keeping a password off the "
+                            "command line")

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-HELP = "print a results folder's trials (the knobs that vary, throughput, memory) and best point"
+HELP = "print a results folder's (or a stored study's) trials (the knobs that vary, throughput, memory) and best point"
 WIDTH = 100  # the table fits a terminal of this many columns
 # where a knob does nothing its space offers one value (template.space): shown as "-" there
 _IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 1), "sp": ("tp", 1),
@@ -16,7 +16,12 @@ _IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("folder", help="a study's output folder (tune --out), holding trials.csv")
+    from ._common import add_storage_arguments
+
+    p.add_argument("folder", nargs="?", default=None,
+                   help="a study's output folder (tune --out), holding trials.csv; or give the study's storage")
+    add_storage_arguments(p, "the folder")
+    p.add_argument("--study", default=None, help="the study in --storage (default: its only study)")
     view = p.add_mutually_exclusive_group()
     view.add_argument("--all", action="store_true", help="every column of the trials table, as a wide text table")
     view.add_argument("--csv", action="store_true", help="the trials table as CSV, for another tool")
@@ -80,10 +85,26 @@ def _table(rows: list[dict], knobs: list[str], best: str | None, budget: str) ->
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
+
+    if args.folder is None:  # the study itself, wherever it ran: its tables rebuilt in a scratch folder
+        import tempfile
+
+        from ..search._outputs import export
+        from ..search._storage import storage_url
+
+        with tempfile.TemporaryDirectory(prefix="slapo-tune-show-") as scratch:
+            export(storage_url(args.storage, args.storage_file), args.study, Path(scratch), report=False)
+            return _show(Path(scratch), args)
+    if args.storage or args.storage_file or args.study:
+        raise UsageError("give a results folder or --storage/--storage-file (with --study), not both")
+    return _show(Path(args.folder), args)
+
+
+def _show(folder: Path, args: argparse.Namespace) -> int:
+    from ..errors import UsageError
     from ..schedule_file import read_schedule
     from ..units import format_size
 
-    folder = Path(args.folder)
     table = folder / "trials.csv"
     if not table.is_file():
         raise UsageError(f"{folder} has no trials.csv (is it a slapo-tune results folder?)")

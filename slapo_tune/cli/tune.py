@@ -14,6 +14,7 @@ from ._common import (
     add_hardware_argument,
     add_precision_argument,
     add_problem_arguments,
+    add_storage_arguments,
     device_of,
     hardware_of,
     non_negative_int,
@@ -49,17 +50,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--prune", default="exact", choices=["exact", "analytic", "none"],
                    help="cost-model pruning before launch (default: %(default)s)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--storage", default=None,
-                       help="Optuna storage URL, e.g. postgresql://user:pass@host/db (default: $SLAPO_TUNE_STORAGE, "
-                            "else a journal file in --out)")
-    where.add_argument("--storage-file", default=None, metavar="PATH",
-                       help="read the storage URL from this file's first line, keeping a password off the "
-                            "command line")
+    add_storage_arguments(p, "a journal file in --out")
     p.add_argument("--study", default=None, help="study name (default: the --out folder's name)")
     p.add_argument("--ray-address", default="local",
                    help="local (start a Ray head), none (local processes, no Ray), or ADDRESS of a running cluster "
                         "(default: %(default)s)")
+    p.add_argument("--runtime-env", default=None, metavar="ENV",
+                   help="Ray runtime environment of the trials on an attached cluster: package (ship this "
+                        "installation's code, so nodes need only Ray, torch and transformers), a .whl file "
+                        "(pip-installed on each node), or a JSON object as Ray takes it (default: none, every node "
+                        "has slapo-tune installed)")
+    p.add_argument("--net-if", default=None, metavar="IFACE",
+                   help="network interface of the ranks' rendezvous and collectives (sets GLOO_SOCKET_IFNAME and "
+                        "NCCL_SOCKET_IFNAME; default: those variables, else the interface holding each node's Ray "
+                        "address)")
+    p.add_argument("--keep-dashboard", action="store_true",
+                   help="with --ray-address local: leave the Ray head (and its dashboard) up after the study and "
+                        "print the command that stops it")
     p.add_argument("--concurrency", type=int, default=None, help="trials in flight (default: what the cluster holds)")
     p.add_argument("--measured-steps", type=positive_int, default=3,
                    help="timed steps of each trial, after its warm-up step (default: %(default)s)")
@@ -127,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models import preset_names
     from ..precision import default_precision
     from ..search import TuneConfig, Tuner
-    from ..search._cluster import connect
+    from ..search._cluster import connect, runtime_env_of
     from ..search._storage import check_storage, redact, storage_url
     from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
@@ -163,8 +170,11 @@ def run(args: argparse.Namespace) -> int:
         setup.concurrency(args.world_size)  # a world larger than the GPUs here fails before anything starts
     storage_at = storage_url(args.storage, args.storage_file)
     check_storage(storage_at)  # an unusable URL fails here, before anything is started or written
+    if args.keep_dashboard and args.ray_address != "local":
+        raise UsageError("--keep-dashboard keeps the head of --ray-address local; an attached cluster stays up anyway")
+    runtime_env = runtime_env_of(args.runtime_env)
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
-                      args.concurrency, device=setup)
+                      args.concurrency, device=setup, runtime_env=runtime_env, net_if=args.net_if)
     try:
         config = TuneConfig(problem=problem.spec, out=out, trials=args.trials, time_budget=time_budget,
                             strategy=args.strategy, objective=args.objective, storage=storage_at,
@@ -187,7 +197,10 @@ def run(args: argparse.Namespace) -> int:
               f"(the study in {out} keeps every finished trial).", file=sys.stderr)
         return 130
     finally:
-        cluster.stop()  # trials, and a Ray head this tuner started, end with the command
+        # trials, and a Ray head this tuner started, end with the command (unless kept for inspection)
+        kept = cluster.stop(keep_head=args.keep_dashboard)
+        if kept:
+            print(f"slapo-tune: {kept}", file=sys.stderr)
     if args.json_lines:
         print(json.dumps({"event": "done", **summary}, default=str))
     else:

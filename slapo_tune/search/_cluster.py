@@ -6,7 +6,12 @@ running instead of orphaning Ray's agents, the re-run command re-attaches to it 
 address are recorded in the output folder), and the head is stopped, by PID, when the study
 finishes. Every port of that head (GCS, raylet, object manager, client server, dashboard and its
 agent, metrics exporter, runtime-env agent, workers) listens on 127.0.0.1 only, and its temp
-folder is removed when it stops.
+folder is removed when it stops (unless kept for inspection: ``--keep-dashboard``).
+
+Attaching to a running cluster checks its token authentication first (one line saying what is
+missing, instead of Ray's retries and log lines), and keeps Ray's own messages (its C++ clients'
+log lines, the raylet dumps it publishes when a node dies) out of the console: they go to the
+results folder's ``ray.log``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -29,6 +35,7 @@ from ..errors import UsageError
 from ._storage import STORAGE_ENV
 
 HEAD_FILE = ".ray_head.json"
+RAY_LOG = "ray.log"  # Ray's own messages to this driver, in the results folder
 LOOPBACK = "127.0.0.1"
 # A local head is Ray's single-machine mode: Ray then takes 127.0.0.1 as the node's address (as it
 # does on macOS and Windows) instead of the address other hosts reach, so that every server
@@ -61,19 +68,25 @@ class Cluster:
                 where += " (token auth: header 'Authorization: Bearer <token>', token in ~/.ray/auth_token)"
         return where
 
-    def stop(self) -> None:
-        """Disconnect; stop the head this tuner started (by its PID), so nothing is left running."""
+    def stop(self, keep_head: bool = False) -> str | None:
+        """Disconnect; stop the head this tuner started (by its PID), so nothing is left running,
+        unless ``keep_head``: then the head (and its dashboard) stays up, a re-run re-attaches to
+        it, and the returned line says how to stop it."""
         if self.runner is not None:  # None: given up before it had a runner
             self.runner.close()
         if self.kind == "none":
-            return
+            return None
         import ray
 
         ray.shutdown()
+        if keep_head and self.head_pid:
+            return (f"the Ray head stays up (dashboard {self.dashboard}); stop it with: "
+                    f"{stop_head_command(self.head_pid, self.head_temp)}")
         if self.head_pid:
             stop_head(self.head_pid, self.head_temp)
         if self.head_file:
             self.head_file.unlink(missing_ok=True)
+        return None
 
 
 def _free_port() -> int:
@@ -115,6 +128,16 @@ def stop_head(pid: int, temp: Path | None = None, grace: float = 20.0) -> None:
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def stop_head_command(pid: int, temp: Path | None) -> str:
+    """The shell command that does what :func:`stop_head` does: SIGTERM to the head's process
+    group (``ray start --block`` stops what it started; not ``ray stop``, which stops every Ray
+    of this user on the machine), then its temp folder removed."""
+    command = f"kill -TERM -{pid}"
+    if temp is not None:
+        command += f"; while kill -0 {pid} 2>/dev/null; do sleep 0.2; done; rm -rf {shlex.quote(str(temp))}"
+    return command
+
+
 def ensure_auth_token() -> Path:
     """The token the local head and this driver share (created, private to the user, if missing)."""
     import secrets
@@ -150,9 +173,10 @@ def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
 
 
 def _connect(address: str, timeout: float, namespace: str, head_pid: int | None = None,
-             log: Path | None = None) -> None:
-    """Wait until the GCS port answers (a head still booting), then attach once: ``ray.init`` on a
-    dead address retries for minutes, so it is only called on a live one."""
+             log: Path | None = None, ray_log: Path | None = None, runtime_env: dict | None = None) -> None:
+    """Wait until the GCS port answers (a head still booting), check the token, then attach
+    once: ``ray.init`` on a dead address retries for minutes, so it is only called on a live one.
+    Ray's messages while attaching and after go to ``ray_log`` (None: where Ray puts them)."""
     import ray
 
     deadline = time.monotonic() + timeout
@@ -168,11 +192,89 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.5)
+    with _stderr_to(ray_log):
+        _check_token(address)
+        try:
+            ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
+                     runtime_env=runtime_env)
+        except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
+            _raise_if_token(address, exc)
+            first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
+    if ray_log is not None:
+        route_ray_messages(ray_log)
+
+
+TOKEN_HELP = ("copy the cluster's token (on the head: ray get-auth-token) to ~/.ray/auth_token here, or name its "
+              "file in RAY_AUTH_TOKEN_PATH (see README, 'Ray clusters')")
+
+
+def _check_token(address: str) -> None:
+    """One GCS request with this process's token settings (``ray.init`` would retry a refused
+    token for about 20 s, printing Ray's InvalidAuthToken lines)."""
+    if address == "auto":  # (a Ray Job's driver: it runs with the cluster's own settings)
+        return
     try:
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
-    except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
+        from ray._raylet import GcsClient
+    except ImportError:  # a Ray without it: ray.init tells, more slowly
+        return
+    try:
+        GcsClient(address=address)
+    except Exception as exc:  # noqa: BLE001 - only an authentication failure is this check's to report
+        _raise_if_token(address, exc)
+
+
+def _raise_if_token(address: str, exc: BaseException) -> None:
+    """A UsageError saying what token setting is missing, when ``exc`` (or its cause) is Ray's
+    authentication failure."""
+    chain = [exc, exc.__cause__, exc.__context__]
+    if not any(e is not None and (type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e))
+               for e in chain):
+        return
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        raise UsageError(f"the Ray cluster at {address} uses token authentication: set RAY_AUTH_MODE=token and "
+                         f"{TOKEN_HELP}") from None
+    raise UsageError(f"the Ray cluster at {address} refused this machine's token (or found none): "
+                     f"{TOKEN_HELP}") from None
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path | None):
+    """File descriptor 2 appended to ``path`` meanwhile (Ray's C++ clients write there directly)."""
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as target:
+            os.dup2(target.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def route_ray_messages(path: Path) -> None:
+    """The error messages Ray publishes to every driver (a dead node's raylet log tail, sent by
+    each of its agents: twice) appended to ``path``, each once, instead of printed on the
+    console; with ``log_to_driver=False`` they are all this driver's message thread prints."""
+    import ray._private.worker as ray_worker
+
+    if not hasattr(ray_worker, "print_to_stdstream"):  # another Ray: its messages stay where they are
+        return
+    seen: set[str] = set()
+
+    def to_log(data: dict, *_args, **_kwargs) -> None:
+        lines = [line for line in data.get("lines", []) if line not in seen]
+        seen.update(lines)
+        if lines:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write("".join(f"({data.get('pid', 'ray')}) {line}\n" for line in lines))
+
+    ray_worker.print_to_stdstream = to_log
 
 
 def check_reachable(address: str, timeout: float = 3.0) -> None:
@@ -191,11 +293,15 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
 
 
 def connect(ray_address: str, out: Path, world_size: int, concurrency: int | None,
-            device: DeviceSetup | None = None) -> Cluster:
+            device: DeviceSetup | None = None, runtime_env: dict | None = None,
+            net_if: str | None = None) -> Cluster:
     """A runner for ``--ray-address``: ``none`` (local processes), ``local`` (a head this tuner
     starts or re-attaches to), or the address of a running cluster. ``device``: where the ranks run
     (default: this machine's CPU); trials in flight default to what its devices hold
-    (:func:`slapo_tune.device.default_concurrency`: GPUs // world size on CUDA, cores on CPU)."""
+    (:func:`slapo_tune.device.default_concurrency`: GPUs // world size on CUDA, cores on CPU).
+    ``runtime_env``: Ray's runtime environment for the trials (:func:`runtime_env_of`);
+    ``net_if``: the network interface of the ranks' rendezvous and collectives (default: the one
+    holding the node's Ray address, see :func:`runners.ray_runner.rendezvous_interface`)."""
     from runners import LocalRunner
 
     from ..launch import usable_cores
@@ -213,6 +319,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
     from runners.ray_runner import RayRunner
 
     namespace = "slapo-tune"
+    runtime_env = with_interface(runtime_env, net_if)
     if ray_address == "local":
         head_file = out / HEAD_FILE
         recorded = json.loads(head_file.read_text()) if head_file.is_file() else None
@@ -224,14 +331,15 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard,
                                                      "temp": str(temp)}))
         try:
-            _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log")
+            _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log", ray_log=out / RAY_LOG,
+                     runtime_env=runtime_env)
         except UsageError:
             stop_head(pid, temp)
             head_file.unlink(missing_ok=True)
             raise
         cluster = Cluster(None, "local-ray", address, dashboard, pid, head_file, temp)
     else:
-        _connect(ray_address, 3.0, namespace)
+        _connect(ray_address, 3.0, namespace, ray_log=out / RAY_LOG, runtime_env=runtime_env)
         cluster = Cluster(None, "ray", ray_address, None)
     try:
         cluster.runner = RayRunner(concurrency=_fit(concurrency, world_size, device))
@@ -239,6 +347,18 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         cluster.stop()
         raise
     return cluster
+
+
+def with_interface(runtime_env: dict | None, net_if: str | None) -> dict | None:
+    """``runtime_env`` with GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME set to ``net_if`` (``tune
+    --net-if``), which every rank actor of this driver's job then reads."""
+    if not net_if:
+        return runtime_env
+    from runners.ray_runner import INTERFACE_VARIABLES
+
+    runtime_env = dict(runtime_env or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **dict.fromkeys(INTERFACE_VARIABLES, net_if)}
+    return runtime_env
 
 
 def _fit(concurrency: int | None, world_size: int, device: DeviceSetup) -> int:
@@ -253,3 +373,33 @@ def _fit(concurrency: int | None, world_size: int, device: DeviceSetup) -> int:
     else:
         fit = default_concurrency("cpu", world_size, int(resources.get("CPU", 1)))
     return concurrency or fit
+
+
+# the packages a trial's rank imports: shipped to the nodes by ``--runtime-env package``
+SHIPPED_PACKAGES = ("slapo_tune", "runners", "search_spaces")
+
+
+def runtime_env_of(value: str | None) -> dict | None:
+    """Ray's runtime environment for ``--runtime-env``: ``package`` (this installation's
+    packages, uploaded to the cluster, so that nodes need only Ray, torch and transformers), a
+    ``.whl`` file (installed by pip on each node), or a JSON object as Ray takes it; None: none
+    (every node has slapo-tune installed)."""
+    import importlib
+
+    if not value or value == "none":
+        return None
+    if value == "package":
+        return {"py_modules": [str(Path(importlib.import_module(name).__file__).parent) for name in SHIPPED_PACKAGES],
+                "excludes": ["__pycache__", "*.pyc"]}
+    if value.endswith(".whl"):
+        wheel = Path(value)
+        if not wheel.is_file():
+            raise UsageError(f"--runtime-env: no wheel at {value}")
+        return {"py_modules": [str(wheel.resolve())]}
+    try:
+        env = json.loads(value)
+    except ValueError:
+        env = None
+    if not isinstance(env, dict):
+        raise UsageError(f"--runtime-env '{value}': expected package, a .whl file or a JSON object")
+    return env

@@ -27,6 +27,7 @@ from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
 from ._confirm import CONFIRM_ROUNDS
 from ._known import KnownReader, settled_status, trial_status
+from ._outputs import OUTPUTS_ATTR
 from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
 
 if TYPE_CHECKING:
@@ -205,6 +206,8 @@ class Tuner:
         study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=self.sampler,
                                     load_if_exists=True)
         self._check_same_study(study)
+        # what rebuilds the outputs from the study alone, anywhere (``slapo-tune export``)
+        study.set_user_attr(OUTPUTS_ATTR, {"problem": asdict(self.problem.spec), "strategy": self.config.strategy})
         # registered before its first ask: another driver starting meanwhile leaves this one's
         # trials alone, even one asked but not yet named (_held_elsewhere)
         study.set_user_attr(f"driver:{self.driver}", time.time())

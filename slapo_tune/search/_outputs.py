@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from ..problem import Problem
 
 LAUNCHED = [s.value for s in TrialStatus if s.launched]
+# the study attribute holding what rebuilds the outputs from the study alone: the problem (its
+# settings, resolved) and the strategy
+OUTPUTS_ATTR = "outputs"
 PLOTS = ("best_so_far", "throughput_by_knob", "memory_predicted_vs_measured", "pruned_region")
 
 
@@ -57,6 +60,8 @@ def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
                "pruned_peak": predicted.get("pruned_peak"), "memory_budget": budget,
                "wait_fraction": result.get("wait_fraction"), "wall_s": result.get("wall_seconds"),
                "overhead_s": result.get("overhead_seconds"),
+               # where each rank ran, in rank order (see TrialResult.nodes)
+               "nodes": " ".join(result.get("nodes") or []),
                "reason": t.user_attrs.get("reason") or result.get("error") or "",
                "warnings": "; ".join(result.get("warnings") or []), "retry_of": t.user_attrs.get("retry_of"),
                "confirmed_throughput": figures.get(str(t.number), {}).get("samples_per_s"),
@@ -90,10 +95,11 @@ class Outputs:
     def __call__(self, study: Study, trial: FrozenTrial) -> None:
         self._write(study, final=False)  # the whole table: a trial's row is not all that changes (best, repeats)
 
-    def finish(self, study: Study) -> None:
-        self._write(study, final=True)
+    def finish(self, study: Study, report: bool = True) -> None:
+        """Write every output (``report``: the report and its plots too)."""
+        self._write(study, final=True, report=report)
 
-    def _write(self, study: Study, final: bool) -> None:
+    def _write(self, study: Study, final: bool, report: bool = True) -> None:
         import time
 
         import pandas as pd
@@ -114,7 +120,7 @@ class Outputs:
         now = time.monotonic()
         # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
         interval = max(REPORT_INTERVAL, self._report_seconds / REPORT_SHARE)
-        if final or self._report_written is None or now - self._report_written >= interval:
+        if report and (final or self._report_written is None or now - self._report_written >= interval):
             write_report(self.out, frame, self.problem, study.study_name, self.strategy, best, confirmed)
             self._report_written, self._report_seconds = now, time.monotonic() - now
 
@@ -242,3 +248,39 @@ def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: 
     parts.append("</body></html>")
     text = "\n".join(parts)
     atomic_write_text(out / "report.html", text)
+
+
+def export(storage: str | None, study_name: str | None, out: Path, report: bool = True) -> str:
+    """Write ``trials.csv``, ``best_schedule.json`` (and with ``report`` the report) of the study
+    ``study_name`` in ``storage`` into ``out``, from the study alone: a study run anywhere (a Ray
+    Job, another driver's machine) read back here. ``study_name`` None: the storage's only study.
+    Returns the study's name; UsageError when there is no such study or it was not written by
+    the tuner."""
+    import optuna
+
+    from ..errors import UsageError
+    from ..problem import ProblemSpec
+    from ._storage import is_journal, open_storage, redact
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    shown = redact(storage or "", storage)
+    if storage is None:
+        raise UsageError("give the study's storage: --storage URL, --storage-file PATH or $SLAPO_TUNE_STORAGE")
+    if is_journal(storage) and not Path(storage.removeprefix("journal:")).is_file():
+        raise UsageError(f"no study journal at {storage.removeprefix('journal:')}")
+    opened = open_storage(storage, out)
+    names = [s.study_name for s in optuna.get_all_study_summaries(opened, include_best_trial=False)]
+    if study_name is None:
+        if len(names) != 1:
+            raise UsageError(f"{shown} holds {len(names)} studies ({', '.join(names) or 'none'}): name one with --study")
+        study_name = names[0]
+    if study_name not in names:
+        raise UsageError(f"no study '{study_name}' in {shown} (it holds: {', '.join(names) or 'none'})")
+    study = optuna.load_study(study_name=study_name, storage=opened)
+    recorded = study.user_attrs.get(OUTPUTS_ATTR)
+    if recorded is None:
+        raise UsageError(f"study '{study_name}' in {shown} was not written by slapo-tune tune "
+                         f"(or by a version that kept its outputs in the results folder only)")
+    problem = ProblemSpec(**recorded["problem"]).resolve()
+    Outputs(out, problem, recorded["strategy"]).finish(study, report=report)
+    return study_name
