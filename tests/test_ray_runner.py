@@ -117,7 +117,7 @@ def test_a_ray_job_tunes_into_shared_storage_and_export_reads_it_back(ray_cluste
 
     journal = tmp_path / "shared" / "study.journal"
     client = JobSubmissionClient(f"http://{ray_cluster.webui_url}")
-    entrypoint = (f"{sys.executable} -m slapo_tune tune --ray-address auto --world-size 4 --trials 2 --confirm 0 "
+    entrypoint = (f"{sys.executable} -m slapo_tune tune --ray-address auto --world-size 4 --trials 1 --confirm 0 "
                   f"--measured-steps 1 --trial-timeout 3m --storage {journal} --study job-study "
                   f"--out {tmp_path / 'job-out'} --runtime-env package --quiet")
     job = client.submit_job(entrypoint=entrypoint)
