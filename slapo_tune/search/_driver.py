@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -196,15 +197,22 @@ class Tuner:
     def _open_study(self) -> Study:
         import optuna
 
+        from ._samplers import LegalDomains
         from ._storage import open_storage
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(self.config.storage, self.config.out)
         directions = ["maximize", "minimize"] if self.config.multi_objective else ["maximize"]
         name = self.config.study or self.config.out.name
-        study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=self.sampler,
+        study = optuna.create_study(study_name=name, storage=storage, directions=directions,
+                                    sampler=LegalDomains(self.sampler, self.space, self.config.seed),
                                     load_if_exists=True)
         self._check_same_study(study)
+        metrics = ["samples/s", "peak memory (bytes)"][:len(directions)]
+        if study.metric_names != metrics:  # named for optuna-dashboard's plots
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, unchanged since
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(metrics)
         # registered before its first ask: another driver starting meanwhile leaves this one's
         # trials alone, even one asked but not yet named (_held_elsewhere)
         study.set_user_attr(f"driver:{self.driver}", time.time())
@@ -379,17 +387,20 @@ class Tuner:
     def _tell(self, trial: Trial, point: Point, status: TrialStatus, values: list[float] | None,
               constraint: float | None, attrs: dict[str, Any] | None = None,
               event: dict[str, Any] | None = None) -> None:
-        """The one way a trial ends: its status and ``attrs`` recorded, the ``memory`` constraint
+        """The one way a trial ends: its status and ``attrs`` recorded, the memory constraint
         set (> 0: infeasible, which TPE reads), ``values`` told (None: failed), the progress counted;
         then, for a trial the outputs show (not a repeat), the event reported and the outputs
         rewritten."""
+        from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
         from optuna.trial import TrialState
 
         trial.set_user_attr("status", status.value)
         for name, value in (attrs or {}).items():
             trial.set_user_attr(name, value)
         if constraint is not None:
-            trial.set_constraint("memory", constraint)
+            # the "constraints" list Optuna's constraints_func writes: Optuna's samplers read it (as
+            # constraint "0") and so does optuna-dashboard, which reads no Trial.set_constraint key
+            trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (constraint,))
         told = self.study.tell(trial, values) if values is not None else self.study.tell(trial, state=TrialState.FAIL)
         self.progress.count(status, point, values[0] if values else None)
         if status is TrialStatus.DUPLICATE:  # a repeat changes nothing a user sees: no event, no rewrite
