@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .._atomic import atomic_write, atomic_write_text
 from ..plan import TrialStatus
 from ..schedule_file import make_schedule, write_schedule
+from ..space import point_key
 from ._confirm import crowned, recorded
 from ._known import trial_status
 
@@ -64,6 +65,36 @@ def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
                "crowned": best is not None and t.number == best.number}
         rows.append(row)
     return rows
+
+
+def statuses(study: Study) -> dict[str, int]:
+    """The study's trials by how they ended, repeats left out (answered from the study, never
+    launched), in TrialStatus's order."""
+    counts = {s.value: 0 for s in TrialStatus if s is not TrialStatus.DUPLICATE}
+    for t in study.get_trials(deepcopy=False):
+        status = trial_status(t)
+        if status is not None and status is not TrialStatus.DUPLICATE:
+            counts[status.value] += 1
+    return {status: n for status, n in counts.items() if n}
+
+
+def out_of_the_box(study: Study, best: FrozenTrial | None, confirmed: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The crowned point against the out-of-the-box schedule the tuner recorded (``plan.OUT_OF_THE_BOX``):
+    measured where the study ran that point, else the ratio of the cost model's predictions
+    (``how``); None before a point ran ok or where the space has no such point."""
+    record = study.user_attrs.get("out_of_the_box")
+    if record is None or best is None:
+        return None
+    key = point_key(record["point"])
+    ran = next((t for t in study.get_trials(deepcopy=False) if trial_status(t) is TrialStatus.OK
+                and point_key(t.user_attrs["point"]) == key), None)
+    if ran is not None:
+        figure = confirmed["samples_per_s"] if confirmed else best.values[0]
+        return {"point": record["point"], "fits": True, "how": "measured", "samples_per_s": ran.values[0],
+                "gain": figure / ran.values[0]}
+    predicted, base = (best.user_attrs.get("predicted") or {}).get("throughput"), record["predicted"]["throughput"]
+    return {"point": record["point"], "fits": record["fits"], "how": "predicted", "samples_per_s": None,
+            "gain": predicted / base if record["fits"] and predicted and base else None}
 
 
 def _median(values):
