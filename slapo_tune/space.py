@@ -204,13 +204,13 @@ class Space:
         return [v for v in knob.raw(prefix) if self._completes({**prefix, name: v})]
 
     def domains(self) -> dict[str, list[Any]]:
-        """Every value each knob takes in some legal point."""
+        """Every value each knob takes in some legal point, in :func:`natural_order`."""
         seen: dict[str, list[Any]] = {n: [] for n in self.names}
         for point in self.enumerate():
             for n, v in point.items():
                 if v not in seen[n]:
                     seen[n].append(v)
-        return seen
+        return {n: natural_order(values) for n, values in seen.items()}
 
     # ------------------------------------------------------------- checking
     def complete(self, partial: Mapping[str, Any]) -> Point:
@@ -300,6 +300,14 @@ def _derived_held(values: Mapping[str, Any], point: Point) -> str | None:
     """The constraint holding derived knobs at pinned values."""
     off = [f"{name}={point[name]}" for name, value in values.items() if point[name] != value]
     return f"{', '.join(off)} differs from the pinned {format_point(values)}" if off else None
+
+
+def natural_order(values: Sequence[Any]) -> list[Any]:
+    """Numbers ascending (``ckpt_ratio`` 0.0, 0.25, ..., 1.0, not the order first met); other
+    values (names) as given."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return sorted(values)
+    return list(values)
 
 
 def format_point(point: Mapping[str, Any]) -> str:

@@ -135,8 +135,7 @@ class TuneView:
             if steps and predicted.get("step_s"):
                 parts.append(f"step {steps[len(steps) // 2]:.3g} s, predicted {predicted['step_s']:.3g}")
         elif kind == TrialStatus.PRUNED:
-            parts.append(f"predicted peak {format_size(predicted.get('pruned_peak') or predicted['peak'])} > {budget}:"
-                         f" {event.get('reason', '')}")
+            parts.append(event.get("reason") or f"predicted peak {format_size(predicted['pruned_peak'])} > {budget}")
         elif kind == TrialStatus.OOM:
             peaks = result.get("peak_memory") or []
             parts.append(f"out of memory (peak {format_size(max(peaks))} > {budget})" if peaks else "out of memory")

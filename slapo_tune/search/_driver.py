@@ -163,11 +163,20 @@ class Tuner:
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
                                                           rank=self._predicted_throughput, known=self._known,
                                                           peak=lambda point: self.cost.memory(point).peak)
-        self.outputs = Outputs(self.config.out, self.problem, self.config.strategy) if write_outputs else None
+        self.outputs = (Outputs(self.config.out, self.problem, self.config.strategy, self._command())
+                        if write_outputs else None)
         self.progress = Progress()
         self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}
         self.study = self._open_study()
         self._record_out_of_the_box()
+
+    def _command(self) -> str:
+        """The tune command that runs this study again (resumes it), its storage's password hidden."""
+        from ._report import tune_command
+        from ._storage import redact
+
+        storage = self.config.storage
+        return tune_command(self.config, redact(storage, storage) if storage else None)
 
     # ------------------------------------------------------------------ cost model
     def _predicted_throughput(self, point: Point) -> float:
@@ -549,7 +558,7 @@ class Tuner:
         """The run's counts, and the point crowned in the whole study (other drivers' trials too):
         the confirmed one, with its confirmed figures, where the study's confirmation stands."""
         from ._confirm import crowned
-        from ._outputs import out_of_the_box, statuses
+        from ._report import out_of_the_box, statuses
         from ._storage import redact
 
         p = self.progress
