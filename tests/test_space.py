@@ -132,6 +132,15 @@ def test_optuna_samplers_see_only_legal_points():
         assert len({format_point(space.point_from_params(t.params)) for t in study.trials}) > 10
 
 
+def test_a_knobs_domain_is_in_natural_order():
+    """Numbers ascending whatever order the points list them in (the report's axes, the
+    dashboard's choices); names as first met."""
+    space = Space([Knob("a", [1, 2]), Knob("r", lambda p: [1.0, 0.25] if p["a"] == 1 else [0.5, 0.0], ("a",)),
+                   Knob("s", ["on", "off"], kind=str)])
+    assert space.domain("r") == [0.0, 0.25, 0.5, 1.0]
+    assert space.domain("s") == ["on", "off"]
+
+
 def test_custom_knobs_and_constraints():
     space = Space(
         [Knob("a", [1, 2, 3]), Knob("b", lambda p: range(p["a"]), ("a",)), Knob("c", derive=lambda p: p["a"] + p["b"])],
