@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
     from ..problem import Problem
-    from ._driver import TuneConfig
 
 MiB = 2**20
 COLORS = {"ok": "tab:green", "oom": "tab:red", "pruned": "tab:orange", "crash": "black", "timeout": "tab:gray",
@@ -66,8 +65,9 @@ def out_of_the_box(study: Study, best: FrozenTrial | None, confirmed: dict[str, 
             "gain": predicted / base if record["fits"] and predicted and base else None}
 
 
-def tune_command(config: TuneConfig, storage_shown: str | None = None) -> str:
-    """The ``slapo-tune tune`` command that runs ``config`` again: on the same study it resumes it
+def tune_command(config: Any, storage_shown: str | None = None) -> str:
+    """The ``slapo-tune tune`` command that runs ``config`` (a ``TuneConfig``: not imported, the
+    driver imports this module) again: on the same study it resumes it
     (``storage_shown``: the storage URL with its password hidden, when it is not the journal in
     the output folder)."""
     p = config.problem
