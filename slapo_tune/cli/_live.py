@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from ..plan import IDLE_WHERE, SHORT_NAMES, TrialStatus
+from ..plan import TrialStatus, readable
 from ..units import format_size
 
 STYLES = {"ok": "green", "oom": "yellow", "pruned": "yellow", "crash": "red", "timeout": "red", "invalid": "red",
@@ -49,13 +49,6 @@ def eta(event: dict[str, Any]) -> float | None:
     if event.get("time_budget"):
         left = min(left, max(0.0, event["time_budget"] - event["elapsed"]))
     return left
-
-
-def knob_text(knobs: dict[str, Any], shown: list[str] | None) -> str:
-    """``tp=2 pp=1 mb=4``: the knobs in ``shown`` (those the space varies; all when None), less
-    those that do nothing at this point (the pipeline schedule at ``pp=1``)."""
-    return " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in knobs.items() if (shown is None or k in shown)
-                    and not (k in IDLE_WHERE and knobs.get(IDLE_WHERE[k][0]) == IDLE_WHERE[k][1]))
 
 
 class TuneView:
@@ -127,7 +120,7 @@ class TuneView:
         budget = format_size(self.budget)
         # (the live display's bar counts the trials: a plain line says where it stands itself)
         parts = [f"[{event['launched']:>3}/{event['target']}] " * (self.mode == "plain") + f"#{event['trial']:<3} {kind:<6}",
-                 knob_text(event["knobs"], self.knobs)]
+                 readable(event["knobs"], self.knobs)]
         if kind == TrialStatus.OK:
             parts.append(f"{result['samples_per_s']:.1f} samples/s")
             parts.append(f"peak {format_size(max(result['peak_memory']))} / {budget}")
@@ -167,7 +160,7 @@ class TuneView:
             running.add_column(column, style="dim" if column == "in flight" else None)
         now = time.monotonic()
         for trial, (knobs, since) in sorted(self.in_flight.items()):
-            running.add_row(f"#{trial}", knob_text(knobs, self.knobs), clock(now - since))
+            running.add_row(f"#{trial}", readable(knobs, self.knobs), clock(now - since))
         return Group(bar, running)
 
 
@@ -189,7 +182,7 @@ def print_summary(summary: dict[str, Any], budget: int, knobs: list[str] | None 
     table.add_column()
     best = summary["best_point"]
     if best is not None:
-        table.add_row("best point", knob_text(best, knobs))
+        table.add_row("best point", readable(best, knobs))
         throughput = f"{summary['best']:.2f} samples/s"
         if summary["confirmed"]:
             c = summary["confirmed"]
@@ -216,7 +209,7 @@ def gain_text(baseline: dict[str, Any] | None, knobs: list[str] | None) -> str:
     """The crowned point against the out-of-the-box schedule (see ``_outputs.out_of_the_box``)."""
     if baseline is None:
         return "no out-of-the-box point in this space"
-    point = knob_text(baseline["point"], knobs)
+    point = readable(baseline["point"], knobs)
     if baseline["how"] == "measured":
         return f"{baseline['gain']:.2f}x ({point} measured {baseline['samples_per_s']:.2f} samples/s)"
     if not baseline["fits"]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._atomic import atomic_write, atomic_write_text
-from ..plan import IDLE_WHERE, SHORT_NAMES, TrialStatus
+from ..plan import SHORT_NAMES, TrialStatus, is_idle, readable
 from ..space import point_key
 from ..units import format_size
 from ._known import trial_status
@@ -91,10 +91,6 @@ def tune_command(config: Any, storage_shown: str | None = None) -> str:
     if p.model_overrides:
         command += f"   # with the model's config overridden: {p.model_overrides}"
     return command
-
-
-def _idle(point: dict[str, Any], knob: str) -> bool:
-    return knob in IDLE_WHERE and point.get(IDLE_WHERE[knob][0]) == IDLE_WHERE[knob][1]
 
 
 def _varying(problem: Problem) -> list[str]:
@@ -275,7 +271,7 @@ def _best_table(problem: Problem, best: FrozenTrial, confirmed: dict[str, Any] |
     result = best.user_attrs.get("result") or {}
     predicted = best.user_attrs.get("predicted") or {}
     rows = [(f"{knob}", html.escape(str(value)) + (" <span class='dim'>(does nothing here)</span>"
-                                                    if _idle(point, knob) else ""))
+                                                    if is_idle(point, knob) else ""))
             for knob, value in point.items()]
     figure = confirmed["samples_per_s"] if confirmed else best.values[0]
     throughput = f"{figure:.2f} samples/s ({figure * problem.spec.seq_len:,.0f} tokens/s)"
@@ -293,8 +289,7 @@ def _best_table(problem: Problem, best: FrozenTrial, confirmed: dict[str, Any] |
         rows.append(("step time", f"{statistics.median(steps):.4g} s (median of {len(steps)}; predicted "
                                   f"{_cell(predicted.get('step_s'))} s)"))
     if baseline is not None:
-        out_of_box = " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in baseline["point"].items()
-                              if not _idle(baseline["point"], k))
+        out_of_box = readable(baseline["point"])
         gain = ("does not fit the budget (predicted)" if not baseline["fits"] else
                 f"{baseline['gain']:.2f}x measured ({baseline['samples_per_s']:.2f} samples/s)"
                 if baseline["how"] == "measured" else
@@ -321,7 +316,7 @@ def _trials_table(frame, knobs: list[str]) -> str:
              + "</tr></thead><tbody>"]
     for row in frame.sort_values("trial").to_dict("records"):
         cells = [str(row["trial"]), html.escape(row["status"])]
-        cells += ["-" if _idle(row, k) else _cell(row[k]) for k in knobs]
+        cells += ["-" if is_idle(row, k) else _cell(row[k]) for k in knobs]
         for column, _, show in TABLE_COLUMNS:
             value = row.get(column)
             if column == "predicted_peak" and row["status"] == TrialStatus.PRUNED:
