@@ -89,10 +89,11 @@ def test_a_warning_is_shown_once_and_the_eta_counts_this_runs_pace():
     view = TuneView("plain", 2**20, stream=stream)
     base = {"launched": 1, "pruned": 0, "failed": 0, "duplicates": 0, "best": 5.0, "best_point": "tp=1",
             "elapsed": 1.0, "resumed": 0, "target": 4, "knobs": {"tp": 1}}
-    result = {"samples_per_s": 5.0, "peak_memory": [2**19], "step_times": [0.2], "warnings": ["a busy machine"]}
-    for trial in (0, 1):
+    for trial, waited in ((0, 59), (1, 85.5)):  # the same warning with another figure: not shown again
+        result = {"samples_per_s": 5.0, "peak_memory": [2**19], "step_times": [0.2],
+                  "warnings": [f"threads waited {waited}% of a step for a core"]}
         view({**base, "event": "ok", "trial": trial, "result": result, "predicted": {"step_s": 0.1}})
-    assert stream.getvalue().count("a busy machine") == 1
+    assert stream.getvalue().count("threads waited") == 1 and "waited 59%" in stream.getvalue()
     # 6 of 12 launched, 4 of them before this run: 2 in 20 s, so 6 left take 60 s (not 20 / 6 * 6)
     assert eta({"launched": 6, "resumed": 4, "target": 12, "elapsed": 20.0}) == pytest.approx(60.0)
     assert eta({"launched": 4, "resumed": 4, "target": 12, "elapsed": 3.0}) is None  # nothing to go by yet

@@ -11,6 +11,7 @@ on stdout; ``quiet``: nothing until the summary (:func:`print_summary`).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from typing import IO, Any
@@ -105,9 +106,11 @@ class TuneView:
                 self.best_trial = event["trial"]
             self._print(self.trial_line(event), STYLES.get(kind))
             for warning in result.get("warnings") or []:
-                if warning not in self.warned:  # once: the same warning on every trial says nothing more
-                    self.warned.add(warning)
-                    self._print(f"warning (trial {event['trial']}; shown once): {warning}", "yellow")
+                kind = re.sub(r"\d+(\.\d+)?", "#", warning)  # "threads waited 59 % ...": one kind, any figure
+                if kind not in self.warned:  # once: the same warning on every trial says nothing more
+                    self.warned.add(kind)
+                    self._print(f"warning (trial {event['trial']}; not repeated for later trials): {warning}",
+                                "yellow")
 
     def _print(self, line: str, style: str | None = None) -> None:
         self.console.print(Text(line, style=style or ""), soft_wrap=self.mode == "plain")
