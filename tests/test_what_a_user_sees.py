@@ -94,6 +94,14 @@ def test_a_warning_is_shown_once_and_the_eta_counts_this_runs_pace():
                   "warnings": [f"threads waited {waited}% of a step for a core"]}
         view({**base, "event": "ok", "trial": trial, "result": result, "predicted": {"step_s": 0.1}})
     assert stream.getvalue().count("threads waited") == 1 and "waited 59%" in stream.getvalue()
+    import pandas as pd
+
+    from slapo_tune.search._report import _warnings
+
+    report = _warnings(pd.DataFrame({"trial": [1, 2, 3], "warnings": [
+        "threads waited 59% of a step; 1 step(s) re-measured", "threads waited 85% of a step", ""]}))
+    assert report.count("<li>") == 2 and "threads waited 59% of a step" in report
+    assert "(trial(s) 1, 2; the figures vary)" in report and "re-measured <span class='dim'>(trial(s) 1)" in report
     # 6 of 12 launched, 4 of them before this run: 2 in 20 s, so 6 left take 60 s (not 20 / 6 * 6)
     assert eta({"launched": 6, "resumed": 4, "target": 12, "elapsed": 20.0}) == pytest.approx(60.0)
     assert eta({"launched": 4, "resumed": 4, "target": 12, "elapsed": 3.0}) is None  # nothing to go by yet

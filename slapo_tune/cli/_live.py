@@ -11,7 +11,6 @@ on stdout; ``quiet``: nothing until the summary (:func:`print_summary`).
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from typing import IO, Any
@@ -23,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plan import TrialStatus, readable
+from ..search._report import warning_kind
 from ..units import format_size
 
 STYLES = {"ok": "green", "oom": "yellow", "pruned": "yellow", "crash": "red", "timeout": "red", "invalid": "red",
@@ -106,7 +106,7 @@ class TuneView:
                 self.best_trial = event["trial"]
             self._print(self.trial_line(event), STYLES.get(kind))
             for warning in result.get("warnings") or []:
-                kind = re.sub(r"\d+(\.\d+)?", "#", warning)  # "threads waited 59 % ...": one kind, any figure
+                kind = warning_kind(warning)
                 if kind not in self.warned:  # once: the same warning on every trial says nothing more
                     self.warned.add(kind)
                     self._print(f"warning (trial {event['trial']}; not repeated for later trials): {warning}",

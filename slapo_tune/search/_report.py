@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 import shlex
 import statistics
 from pathlib import Path
@@ -112,6 +113,7 @@ def _figures(frame, study: Study, problem: Problem, best: FrozenTrial | None) ->
         fig, ax = plt.subplots(figsize=(5, 3.2), layout="constrained")
         launched = frame[frame.status.isin([s.value for s in TrialStatus if s.launched])].sort_values("trial")
         ax.step(range(1, len(launched) + 1), launched.samples_per_s.fillna(0).cummax(), where="post")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("trials launched")
         ax.set_ylabel("best samples/s")
         figures["best_so_far"] = (fig, "Best throughput so far")
@@ -332,23 +334,32 @@ def _trials_table(frame, knobs: list[str]) -> str:
     return "\n".join(lines)
 
 
+def warning_kind(warning: str) -> str:
+    """A warning with its figures masked: "threads waited 59 % of a step" and "... 85 % ..." are
+    one kind, shown once."""
+    return re.sub(r"\d+(\.\d+)?", "#", warning)
+
+
 def _warnings(frame) -> str:
-    """Each warning once, with the trials it came from."""
-    seen: dict[str, list[int]] = {}
+    """Each kind of warning once (its first text), with the trials it came from."""
+    seen: dict[str, tuple[list[str], list[int]]] = {}
     for row in frame.to_dict("records"):
         for warning in filter(None, (row.get("warnings") or "").split("; ")):
-            seen.setdefault(warning, []).append(row["trial"])
+            texts, trials = seen.setdefault(warning_kind(warning), ([], []))
+            texts.append(warning)
+            trials.append(row["trial"])
     if not seen:
         return ""
-    items = "".join(f"<li>{html.escape(w)} <span class='dim'>(trial(s) {', '.join(map(str, trials))})</span></li>"
-                    for w, trials in seen.items())
+    items = "".join(f"<li>{html.escape(texts[0])} <span class='dim'>(trial(s) {', '.join(map(str, trials))}"
+                    f"{'; the figures vary' if len(set(texts)) > 1 else ''})</span></li>"
+                    for texts, trials in seen.values())
     return f"<h2>Warnings</h2><ul>{items}</ul>"
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em 2em;color:#222;max-width:1200px}
 h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}
-table.trials td{text-align:right}table.trials th{background:#f4f4f4;position:sticky;top:0}
+table.trials td{text-align:right}table.trials td:last-child{text-align:left;min-width:16em}table.trials th{background:#f4f4f4;position:sticky;top:0}
 table.best th{background:#f4f4f4;width:14em}tr.crowned{background:#fff3c4;font-weight:bold}
 tr.pruned,tr.oom{color:#8a5a00}tr.crash,tr.timeout{color:#a00}.dim{color:#888}
 code{background:#f4f4f4;padding:4px 6px;display:block;white-space:pre-wrap;word-break:break-all;font-size:12px}
