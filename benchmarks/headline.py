@@ -46,8 +46,9 @@ CONTENDERS = 3  # the recorded grid's fastest points, timed again beside the tun
 
 def baselines(space, cost, budget: int) -> dict[str, dict]:
     """The out-of-the-box point and the default made to fit (largest micro-batch that fits)."""
-    plain = {"tp": 1, "pp": 1, "ckpt_ratio": 1.0}
-    out_of_box = space.complete({**plain, "micro_batch": 1})
+    from slapo_tune.plan import OUT_OF_THE_BOX
+
+    out_of_box = space.complete(OUT_OF_THE_BOX)
     same = ("tp", "pp", "dp", "zero", "ckpt_ratio", "pipeline_schedule", "attn", "fuse")
     fitting = [p for p in space.enumerate() if all(p[k] == out_of_box[k] for k in same)
                and cost.verdict(p, budget, exact=True).fits]

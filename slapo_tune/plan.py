@@ -11,7 +11,7 @@ where points cross into Optuna or a file.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,12 @@ def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:
 # where space is tight (Ray actor names, plots). A template's own knobs follow them.
 KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
          "attn", "fuse")
+# the schedule users start from without a tuner (Slapo's baselines, what DeepSpeed/Megatron users
+# run): pure data parallelism, full activation checkpointing, micro-batch 1; other knobs at their first legal value
+OUT_OF_THE_BOX = {"tp": 1, "pp": 1, "ckpt_ratio": 1.0, "micro_batch": 1}
+# where a knob does nothing its space offers one value (template.space): shown as "-" there
+IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 1), "sp": ("tp", 1),
+              "ckpt_policy": ("ckpt_ratio", 0.0)}
 SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "ckpt_policy": "ckpt_by", "pipeline_schedule": "sched"}
 # Knobs added after schedules were first written: a point without them (an older schedule file, a
 # recorded grid) means what it always meant.
@@ -56,6 +62,18 @@ def short_name(point: Mapping[str, Any]) -> str:
     plots); the knobs added since names were first given show only when they are not off."""
     return " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in point.items()
                     if k not in KNOB_DEFAULTS or v != KNOB_DEFAULTS[k])
+
+
+def is_idle(point: Mapping[str, Any], knob: str) -> bool:
+    """Whether ``knob`` does nothing at ``point`` (:data:`IDLE_WHERE`: the pipeline schedule at ``pp=1``)."""
+    return knob in IDLE_WHERE and point.get(IDLE_WHERE[knob][0]) == IDLE_WHERE[knob][1]
+
+
+def readable(point: Mapping[str, Any], shown: Sequence[str] | None = None) -> str:
+    """``tp=2 pp=1 mb=4``: the knobs of ``point`` in ``shown`` (all when None; the CLI and the
+    report pass those the space varies), less those that do nothing there (:func:`is_idle`)."""
+    return " ".join(f"{SHORT_NAMES.get(k, k)}={v}" for k, v in point.items()
+                    if (shown is None or k in shown) and not is_idle(point, k))
 
 
 @dataclass(frozen=True, eq=False)  # equal as mappings: a plan equals its knob dict

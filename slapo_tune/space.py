@@ -6,9 +6,11 @@ constraints on complete points. The *legal* values of a knob are the raw values 
 legal completion, so a sampler walking the knobs in order never reaches a dead end, and never
 sees an illegal point. Derived knobs (``dp``) are computed, not chosen.
 
-For Optuna's define-by-run API each knob is suggested under a name that includes the values of
-the knobs its domain depends on (``"pp|tp=2"``), so every suggested name always has the same
-choices, as Optuna requires.
+For Optuna's define-by-run API each knob is one parameter, named as the knob, whose distribution
+is every value the knob takes in some legal point (:meth:`Space.domain`): Optuna requires one
+distribution per name, and one parameter per knob is what optuna-dashboard and
+``optuna.importance`` show. The values legal at a trial depend on its earlier knobs; the sampler
+the study asks through keeps to them (``search._samplers.LegalDomains``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ class Knob:
     """One schedule decision.
 
     ``choices(point)`` returns the raw domain given the earlier knobs' values (``point``);
-    ``depends`` names those knobs (they qualify the Optuna parameter name). A ``derive``d knob is
-    computed from earlier ones and never suggested.
+    ``depends`` names those knobs. A ``derive``d knob is computed from earlier ones and never
+    suggested.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Space:
     def __post_init__(self) -> None:
         self._by_name = {k.name: k for k in self.knobs}
         self._completion_cache: dict[tuple, bool] = {}
+        self._domains: dict[str, list[Any]] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -201,13 +204,13 @@ class Space:
         return [v for v in knob.raw(prefix) if self._completes({**prefix, name: v})]
 
     def domains(self) -> dict[str, list[Any]]:
-        """Every value each knob takes in some legal point."""
+        """Every value each knob takes in some legal point, in :func:`natural_order`."""
         seen: dict[str, list[Any]] = {n: [] for n in self.names}
         for point in self.enumerate():
             for n, v in point.items():
                 if v not in seen[n]:
                     seen[n].append(v)
-        return seen
+        return {n: natural_order(values) for n, values in seen.items()}
 
     # ------------------------------------------------------------- checking
     def complete(self, partial: Mapping[str, Any]) -> Point:
@@ -243,49 +246,49 @@ class Space:
             return False
 
     # ---------------------------------------------------------------- optuna
-    def param_name(self, knob: Knob, point: Point) -> str:
-        if not knob.depends:
-            return knob.name
-        return knob.name + "|" + ",".join(f"{d}={point[d]}" for d in knob.depends)
+    def domain(self, name: str) -> list[Any]:
+        """Every value knob ``name`` takes in some legal point (:meth:`domains`, worked out once):
+        its one Optuna distribution."""
+        if self._domains is None:
+            self._domains = self.domains()
+        return self._domains[name]
+
+    def legal_given(self, name: str, values: Mapping[str, Any]) -> list[Any]:
+        """The legal values of knob ``name`` given ``values`` of (at least) the knobs before it, as
+        an Optuna trial's parameters hold them (derived knobs are worked out again)."""
+        prefix: Point = {}
+        for knob in self.knobs:
+            if knob.name == name:
+                return self.legal_values(name, prefix)
+            prefix[knob.name] = knob.derive(prefix) if knob.derive else values[knob.name]
+        raise UsageError(f"unknown knob '{name}' (knobs: {', '.join(self.names)})")
 
     def suggest(self, trial: Any) -> Point:
-        """Ask an Optuna trial (define-by-run) for a legal point, knob by knob."""
+        """Ask an Optuna trial (define-by-run) for a legal point, knob by knob: the trial's sampler
+        must keep to the legal values (``LegalDomains``); a value outside them is a bug there."""
         point: Point = {}
         for knob in self.knobs:
             if knob.derive is not None:
                 point[knob.name] = knob.derive(point)
                 continue
             legal = self.legal_values(knob.name, point)
-            point[knob.name] = trial.suggest_categorical(self.param_name(knob, point), legal)
+            value = trial.suggest_categorical(knob.name, self.domain(knob.name))
+            if value not in legal:
+                raise ValueError(f"the sampler proposed {knob.name}={value} at {format_point(point)}, where "
+                                 f"only {legal} are legal")
+            point[knob.name] = value
         return point
 
     def point_from_params(self, params: Mapping[str, Any]) -> Point:
-        """Rebuild a point from an Optuna trial's (qualified) parameter names."""
+        """Rebuild a point from an Optuna trial's parameters (one per free knob)."""
         point: Point = {}
         for knob in self.knobs:
-            point[knob.name] = knob.derive(point) if knob.derive else params[self.param_name(knob, point)]
+            point[knob.name] = knob.derive(point) if knob.derive else params[knob.name]
         return point
 
-    def distributions(self, point: Point) -> dict[str, Any]:
-        """Optuna distributions of ``point``'s parameters (to enqueue or add a trial)."""
-        import optuna
-
-        dists, partial = {}, {}
-        for knob in self.knobs:
-            if knob.derive is None:
-                dists[self.param_name(knob, partial)] = optuna.distributions.CategoricalDistribution(
-                    self.legal_values(knob.name, partial))
-            partial[knob.name] = point[knob.name]
-        return dists
-
     def params_of(self, point: Point) -> dict[str, Any]:
-        """``point`` under its Optuna parameter names."""
-        partial, params = {}, {}
-        for knob in self.knobs:
-            if knob.derive is None:
-                params[self.param_name(knob, partial)] = point[knob.name]
-            partial[knob.name] = point[knob.name]
-        return params
+        """``point`` as Optuna parameters (one per free knob), to enqueue it."""
+        return {knob.name: point[knob.name] for knob in self.free}
 
 
 def _held(knob: Knob, value: Any, point: Point) -> list[Any]:
@@ -297,6 +300,14 @@ def _derived_held(values: Mapping[str, Any], point: Point) -> str | None:
     """The constraint holding derived knobs at pinned values."""
     off = [f"{name}={point[name]}" for name, value in values.items() if point[name] != value]
     return f"{', '.join(off)} differs from the pinned {format_point(values)}" if off else None
+
+
+def natural_order(values: Sequence[Any]) -> list[Any]:
+    """Numbers ascending (``ckpt_ratio`` 0.0, 0.25, ..., 1.0, not the order first met); other
+    values (names) as given."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return sorted(values)
+    return list(values)
 
 
 def format_point(point: Mapping[str, Any]) -> str:

@@ -103,10 +103,11 @@ def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
     import io
     from pathlib import Path
 
-    from slapo_tune.cli.tune import ProgressPrinter, best_line
+    from slapo_tune.cli._live import TuneView
+    from slapo_tune.cli.tune import best_line
 
     stream = io.StringIO()
-    tuner, runner, order = _tuner(grid, trials=5, confirm=confirm, report=ProgressPrinter("bar", stream))
+    tuner, runner, order = _tuner(grid, trials=5, confirm=confirm, report=TuneView("plain", grid[1], stream=stream))
     summary = tuner.run()
     assert len(runner.confirm_order) == runs
     assert point_key(summary["best_point"]) == order[crowned]

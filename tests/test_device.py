@@ -100,7 +100,7 @@ def test_tune_defaults_on_cuda(capsys, monkeypatch, fake_cuda, tmp_path):
 
         def run(self):
             return {"stop": "trials", "launched": 0, "pruned": 0, "failed": 0, "infrastructure": 0, "duplicates": 0,
-                    "best_point": None, "confirmed": None}
+                    "best_point": None, "confirmed": None, "elapsed": 0.0}
 
     monkeypatch.setattr(search, "Tuner", Tuner)
     assert main(["tune", "--world-size", "4", "--ray-address", "none", "--out", str(tmp_path / "o")]) == 0

@@ -257,11 +257,11 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
     for t in tuner.study.trials:  # what a constraint-aware sampler (TPE) learns of each point
         status = t.user_attrs["status"]
         if status in ("pruned", "oom"):
-            assert t.constraints["memory"] > 0, (t.number, status)
+            assert t.constraints["0"] > 0, (t.number, status)
         elif status == "ok":
-            assert t.constraints["memory"] == 0.0, t.number
+            assert t.constraints["0"] == 0.0, t.number
         elif status == "duplicate" and t.values:  # answered as the earlier trial was: infeasible ones told 0
-            assert t.constraints["memory"] == (1.0 if t.values == [0.0] else 0.0), t.number
+            assert t.constraints["0"] == (1.0 if t.values == [0.0] else 0.0), t.number
         else:
             assert not t.constraints, (t.number, status)  # failed: nothing learnt
 

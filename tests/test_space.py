@@ -92,36 +92,53 @@ def test_bad_knobs_are_usage_errors_naming_legal_values():
 
 
 class _RecordingTrial:
-    """Stands in for an Optuna trial: picks choices by a seeded rule and records every call."""
+    """Stands in for an Optuna trial asked through LegalDomains: picks a legal value by a seeded
+    rule and records every name and the choices it was offered."""
 
-    def __init__(self, seed, seen):
-        self.rng, self.seen = random.Random(seed), seen
+    def __init__(self, space, seed, seen):
+        self.space, self.rng, self.seen, self.params = space, random.Random(seed), seen, {}
 
     def suggest_categorical(self, name, choices):
         assert self.seen.setdefault(name, list(choices)) == list(choices), f"{name}: choices changed"
-        return self.rng.choice(list(choices))
+        self.params[name] = self.rng.choice(self.space.legal_given(name, self.params))
+        return self.params[name]
 
 
-def test_suggest_only_yields_legal_points_with_stable_parameter_names():
+def test_suggest_only_yields_legal_points_with_one_parameter_per_knob():
     _, _, space = _space("opt-tiny", 4)
     legal = {format_point(p) for p in space.enumerate()}
     seen: dict = {}
-    suggested = {format_point(space.suggest(_RecordingTrial(seed, seen))) for seed in range(300)}
+    suggested = {format_point(space.suggest(_RecordingTrial(space, seed, seen))) for seed in range(300)}
     assert suggested <= legal and len(suggested) > 150  # of 300 draws (collisions expected)
-    assert "pp|tp=2" in seen and "micro_batch|tp=1,pp=2" in seen
+    assert list(seen) == [k.name for k in space.free]  # one parameter per knob, named as the knob
+    domains = {n: set(vs) for n, vs in space.domains().items()}
+    assert all(set(choices) == domains[name] for name, choices in seen.items())
 
 
 def test_optuna_samplers_see_only_legal_points():
+    from slapo_tune.search._samplers import LegalDomains
+
     _, _, space = _space("llama-tiny", 4)
     legal = {format_point(p) for p in space.enumerate()}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for sampler in (optuna.samplers.RandomSampler(seed=0), optuna.samplers.TPESampler(seed=0)):
-        study = optuna.create_study(sampler=sampler)
+        study = optuna.create_study(sampler=LegalDomains(sampler, space))
         study.optimize(lambda t: float(space.suggest(t)["micro_batch"]), n_trials=40)
         for trial in study.trials:
             point = space.point_from_params(trial.params)
             assert format_point(point) in legal
             assert space.params_of(point) == trial.params
+        assert {n for t in study.trials for n in t.params} == {k.name for k in space.free}
+        assert len({format_point(space.point_from_params(t.params)) for t in study.trials}) > 10
+
+
+def test_a_knobs_domain_is_in_natural_order():
+    """Numbers ascending whatever order the points list them in (the report's axes, the
+    dashboard's choices); names as first met."""
+    space = Space([Knob("a", [1, 2]), Knob("r", lambda p: [1.0, 0.25] if p["a"] == 1 else [0.5, 0.0], ("a",)),
+                   Knob("s", ["on", "off"], kind=str)])
+    assert space.domain("r") == [0.0, 0.25, 0.5, 1.0]
+    assert space.domain("s") == ["on", "off"]
 
 
 def test_custom_knobs_and_constraints():
@@ -170,6 +187,7 @@ def test_pinned_space_is_the_points_with_those_values():
     values (a pin legal only beside other choices, vpp=2 needs pp>1, included); a derived knob pins
     by a constraint; an unknown knob or a value legal nowhere is a usage error naming the legal values."""
     from slapo_tune.problem import ProblemSpec
+    from slapo_tune.search._samplers import LegalDomains
 
     problem = ProblemSpec("gpt2-tiny", 4, global_batch=16, seq_len=64).resolve()
     full = list(problem.space.enumerate())
@@ -177,7 +195,8 @@ def test_pinned_space_is_the_points_with_those_values():
         pinned = problem.pinned(",".join(f"{k}={v}" for k, v in pins.items()))
         expected = [p for p in full if all(p[k] == v for k, v in pins.items())]
         assert expected and list(pinned.space.enumerate()) == expected, pins
-        point = pinned.space.suggest(optuna.create_study().ask())
+        sampler = LegalDomains(optuna.samplers.RandomSampler(seed=0), pinned.space)
+        point = pinned.space.suggest(optuna.create_study(sampler=sampler).ask())
         assert all(point[k] == v for k, v in pins.items())
     assert problem.pinned("").space is problem.space
     with pytest.raises(UsageError, match="tp=3 is not legal for this model and world; legal values: 1, 2, 4"):

@@ -10,9 +10,6 @@ from pathlib import Path
 
 HELP = "print a results folder's (or a stored study's) trials (the knobs that vary, throughput, memory) and best point"
 WIDTH = 100  # the table fits a terminal of this many columns
-# where a knob does nothing its space offers one value (template.space): shown as "-" there
-_IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 1), "sp": ("tp", 1),
-               "ckpt_policy": ("ckpt_ratio", 0.0)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +50,9 @@ def _knob_columns(rows: list[dict], names: list[str]) -> list[str]:
 
 
 def _cells(row: dict, knobs: list[str], best: bool) -> list[str]:
-    knob_cells = ["-" if k in _IDLE_WHERE and _same(row.get(_IDLE_WHERE[k][0], ""), _IDLE_WHERE[k][1]) else row[k]
+    from ..plan import IDLE_WHERE
+
+    knob_cells = ["-" if k in IDLE_WHERE and _same(row.get(IDLE_WHERE[k][0], ""), IDLE_WHERE[k][1]) else row[k]
                   for k in knobs]
     rate = _number(row.get("samples_per_s"))
     measured = _size(row.get("peak_memory"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from ..search import DEFAULT_STRATEGY, STRATEGIES
@@ -78,37 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--json-lines", action="store_true", help="one JSON object per event on stdout")
 
 
-class ProgressPrinter:
-    """The tuner's events on the terminal: a progress line per told trial, JSON lines, or nothing."""
-
-    def __init__(self, mode: str, stream=None):
-        self.mode, self.stream = mode, stream or sys.stderr
-
-    def __call__(self, event: dict) -> None:
-        if self.mode == "quiet":
-            return
-        if self.mode == "json":
-            print(json.dumps(event, default=str), flush=True)
-            return
-        if event["event"] == "launched":
-            return
-        if event["event"] in ("confirm", "confirmed"):
-            figure = f"{event['samples_per_s']:.2f} samples/s" if event.get("samples_per_s") else event.get("status")
-            what = (f"confirming trial {event['trial']}, round {event['round']}/{event['rounds']}"
-                    if event["event"] == "confirm" else
-                    f"crowned trial {event['trial']} of {event['candidates']} confirmed (spread {event['spread']:.1%})")
-            print(f"[confirm] {what} | {event['point']}: {figure}", file=self.stream, flush=True)
-            return
-        done = event["launched"]
-        elapsed = event["elapsed"]
-        eta = elapsed / done * (event["target"] - done) if done else 0.0
-        best = f"{event['best']:.2f} samples/s ({event['best_point']})" if event["best"] else "-"
-        what = event["event"] if event["event"] != "pruned" else f"pruned: {event.get('reason', '')}"
-        print(f"[{done:>3}/{event['target']}] pruned {event['pruned']} failed {event['failed']} | best {best} | "
-              f"{_clock(elapsed)} elapsed, ~{_clock(eta)} left | {event['point']}: {what}",
-              file=self.stream, flush=True)
-
-
 def best_line(summary: dict, schedule: Path) -> str:
     """The summary's line on the crowned point: its confirmed figure where it was confirmed."""
     from ..space import format_point
@@ -123,11 +91,6 @@ def best_line(summary: dict, schedule: Path) -> str:
             f"{confirmed['trial_samples_per_s']:.2f}) -> {schedule}")
 
 
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}m{s:02d}s"
-
-
 def run(args: argparse.Namespace) -> int:
     from ..device import cuda_reserve
     from ..errors import UsageError
@@ -138,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from ..search._storage import check_storage, redact, storage_url
     from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
+    from ._live import TuneView, print_summary
 
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
@@ -181,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
                             trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins, confirm=args.confirm)
-        printer = ProgressPrinter("quiet" if args.quiet else "json" if args.json_lines else "bar")
-        tuner = Tuner(config, cluster.runner, problem=problem, report=printer)
+        shown = [k for k in problem.space.names if len(problem.space.domain(k)) > 1]  # the knobs that vary
+        view = TuneView("quiet" if args.quiet else "json" if args.json_lines else "auto", budget, shown)
+        tuner = Tuner(config, cluster.runner, problem=problem, report=view)
         storage_shown = redact(storage_at, storage_at) if storage_at else str(out / "study.journal")
         if not args.json_lines:
             ranks = f"{args.world_size} {setup.name} rank(s), one GPU each" if setup.cuda else f"{args.world_size} cpu rank(s)"
@@ -190,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{hardware_line}, strategy {config.strategy}, {config.trials} trial(s), "
                   f"{cluster.runner.concurrency} in flight; {cluster.describe()}; study "
                   f"'{tuner.study.study_name}' in {storage_shown}", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
-        summary = tuner.run()
+        with view:
+            summary = tuner.run()
     except KeyboardInterrupt:
         print(f"slapo-tune: interrupted; running trials were stopped. Resume with the same command "
               f"(the study in {out} keeps every finished trial).", file=sys.stderr)
@@ -204,16 +169,23 @@ def run(args: argparse.Namespace) -> int:
     if args.json_lines:
         print(json.dumps({"event": "done", **summary}, default=str))
     else:
-        infrastructure = (f", {summary['infrastructure']} infrastructure failure(s) (lost or not placed; "
-                          f"retried once)" if summary["infrastructure"] else "")
-        print(f"done in {time.monotonic() - t0:.0f} s ({summary['stop']}): {summary['launched']} launched, "
-              f"{summary['pruned']} pruned, {summary['failed']} failed{infrastructure}, {summary['duplicates']} "
-              f"repeat(s) answered from the study")
+        print_summary(summary, budget, shown)
         print(best_line(summary, out / "best_schedule.json"))
-        # (optuna-dashboard takes a journal as a plain path, and a URL with the password that is shown as ***)
+        # (a URL's password is shown as ***: the user types their own)
         password = ", your password for ***" if storage_at and storage_shown != storage_at else ""
-        print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; optuna-dashboard {storage_shown}{password})")
+        print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
+              f"{dashboard_command(storage_shown)}{password})")
     return 0
+
+
+def dashboard_command(storage: str) -> str:
+    """The optuna-dashboard command for a study's storage as it is shown (``storage``: a URL, or
+    the journal's path): optuna-dashboard opens a journal given as a plain path (``journal:PATH``,
+    Optuna's own spelling, fails there)."""
+    import shlex
+
+    path = storage.removeprefix("journal:")
+    return f"optuna-dashboard {path if '://' in path else shlex.quote(path)}"
 
 
 def _mkdir(out: Path) -> Path:

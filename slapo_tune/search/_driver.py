@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -114,6 +115,7 @@ class Progress:
     best: float | None = None
     best_point: Point | None = None
     since_best: int = 0  # launched trials since the best improved (early stop)
+    resumed: int = 0  # launched trials the study had before this run (a resumed one's ETA counts the rest)
     started: float = field(default_factory=time.monotonic)
 
     def count(self, status: TrialStatus, point: Point, value: float | None = None) -> None:
@@ -162,10 +164,20 @@ class Tuner:
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
                                                           rank=self._predicted_throughput, known=self._known,
                                                           peak=lambda point: self.cost.memory(point).peak)
-        self.outputs = Outputs(self.config.out, self.problem, self.config.strategy) if write_outputs else None
+        self.outputs = (Outputs(self.config.out, self.problem, self.config.strategy, self._command())
+                        if write_outputs else None)
         self.progress = Progress()
         self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}
         self.study = self._open_study()
+        self._record_out_of_the_box()
+
+    def _command(self) -> str:
+        """The tune command that runs this study again (resumes it), its storage's password hidden."""
+        from ._report import tune_command
+        from ._storage import redact
+
+        storage = self.config.storage
+        return tune_command(self.config, redact(storage, storage) if storage else None)
 
     # ------------------------------------------------------------------ cost model
     def _predicted_throughput(self, point: Point) -> float:
@@ -197,22 +209,45 @@ class Tuner:
     def _open_study(self) -> Study:
         import optuna
 
+        from ._samplers import LegalDomains
         from ._storage import open_storage
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(self.config.storage, self.config.out)
         directions = ["maximize", "minimize"] if self.config.multi_objective else ["maximize"]
         name = self.config.study or self.config.out.name
-        study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=self.sampler,
+        study = optuna.create_study(study_name=name, storage=storage, directions=directions,
+                                    sampler=LegalDomains(self.sampler, self.space, self.config.seed),
                                     load_if_exists=True)
         self._check_same_study(study)
         # what rebuilds the outputs from the study alone, anywhere (``slapo-tune export``)
-        study.set_user_attr(OUTPUTS_ATTR, {"problem": asdict(self.problem.spec), "strategy": self.config.strategy})
+        study.set_user_attr(OUTPUTS_ATTR, {"problem": asdict(self.problem.spec), "strategy": self.config.strategy,
+                                           "command": self._command()})
+        metrics = ["samples/s", "peak memory (bytes)"][:len(directions)]
+        if study.metric_names != metrics:  # named for optuna-dashboard's plots
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, unchanged since
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(metrics)
         # registered before its first ask: another driver starting meanwhile leaves this one's
         # trials alone, even one asked but not yet named (_held_elsewhere)
         study.set_user_attr(f"driver:{self.driver}", time.time())
         self._recover(study)
         return study
+
+    def _record_out_of_the_box(self) -> None:
+        """Record the out-of-the-box schedule (``plan.OUT_OF_THE_BOX``) and its prediction in the
+        study, which the summary and the report compare the crowned point with (see
+        ``_outputs.out_of_the_box``); nothing where this space has no such point (pinned away)."""
+        from ..plan import OUT_OF_THE_BOX
+
+        try:
+            point = self.space.complete(OUT_OF_THE_BOX)
+        except UsageError:
+            return
+        record = {"point": point, "predicted": self._predict(point),
+                  "fits": self.cost.verdict(point, self.config.memory_budget).fits}
+        if self.study.user_attrs.get("out_of_the_box") != record:
+            self.study.set_user_attr("out_of_the_box", record)
 
     def _check_same_study(self, study: Study) -> None:
         stored = study.user_attrs.get("context")
@@ -273,6 +308,7 @@ class Tuner:
                                                              or status is TrialStatus.PRUNED):
                 self.progress.count(status, point, t.values[0] if t.values else None)
         self.progress.since_best = 0  # patience counts this run's trials
+        self.progress.resumed = self.progress.launched
         self.progress.infrastructure_in_a_row = 0
         if others and hasattr(self.sampler, "reseed_rng"):
             self.sampler.reseed_rng()
@@ -358,10 +394,11 @@ class Tuner:
         return [0.0, float(self.config.memory_budget) * 4] if self.config.multi_objective else [0.0]
 
     def _tell_pruned(self, trial: Trial, point: Point, reason: str, predicted: int) -> None:
+        prediction = self._predict(point) | {"pruned_peak": predicted}
         self._tell(trial, point, TrialStatus.PRUNED, self._infeasible_values(),
                    predicted / self.config.memory_budget - 1.0,
-                   attrs={"reason": reason, "predicted": self._predict(point) | {"pruned_peak": predicted}},
-                   event={"reason": reason})
+                   attrs={"reason": reason, "predicted": prediction},
+                   event={"reason": reason, "predicted": prediction})
 
     def _tell_result(self, trial: Trial, point: Point, result, predicted: dict[str, Any]) -> None:
         status = TrialStatus(result.status)
@@ -375,38 +412,43 @@ class Tuner:
         elif status.infeasible:
             values, constraint = self._infeasible_values(), 1.0
         self._tell(trial, point, status, values, constraint, attrs={"result": data, "predicted": predicted},
-                   event={"result": data})
+                   event={"result": data, "predicted": predicted})
         if status.infrastructure and "retry_of" not in trial.user_attrs:  # the cluster failed: once more, later
             self._queue_retry(self.study, trial.number, point)
 
     def _tell(self, trial: Trial, point: Point, status: TrialStatus, values: list[float] | None,
               constraint: float | None, attrs: dict[str, Any] | None = None,
               event: dict[str, Any] | None = None) -> None:
-        """The one way a trial ends: its status and ``attrs`` recorded, the ``memory`` constraint
+        """The one way a trial ends: its status and ``attrs`` recorded, the memory constraint
         set (> 0: infeasible, which TPE reads), ``values`` told (None: failed), the progress counted;
         then, for a trial the outputs show (not a repeat), the event reported and the outputs
         rewritten."""
+        from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
         from optuna.trial import TrialState
 
         trial.set_user_attr("status", status.value)
         for name, value in (attrs or {}).items():
             trial.set_user_attr(name, value)
         if constraint is not None:
-            trial.set_constraint("memory", constraint)
+            # the "constraints" list Optuna's constraints_func writes: Optuna's samplers read it (as
+            # constraint "0") and so does optuna-dashboard, which reads no Trial.set_constraint key
+            trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (constraint,))
         told = self.study.tell(trial, values) if values is not None else self.study.tell(trial, state=TrialState.FAIL)
         self.progress.count(status, point, values[0] if values else None)
         if status is TrialStatus.DUPLICATE:  # a repeat changes nothing a user sees: no event, no rewrite
             return
-        self._event(status.value, point, **(event or {}))
+        self._event(status.value, point, trial=trial.number, **(event or {}))
         if self.outputs is not None:
             self.outputs(self.study, told)
 
     def _event(self, kind: str, point: Point, **extra) -> None:
         p = self.progress
-        self.report({"event": kind, "point": format_point(point), "launched": p.launched, "pruned": p.pruned,
-                     "failed": p.failed, "infrastructure": p.infrastructure, "duplicates": p.duplicates, "best": p.best,
+        self.report({"event": kind, "point": format_point(point), "knobs": point, "launched": p.launched,
+                     "pruned": p.pruned, "failed": p.failed, "infrastructure": p.infrastructure,
+                     "duplicates": p.duplicates, "best": p.best,
                      "best_point": format_point(p.best_point) if p.best_point else None,
-                     "elapsed": time.monotonic() - p.started, "target": self.config.trials, **extra})
+                     "elapsed": time.monotonic() - p.started, "resumed": p.resumed, "target": self.config.trials,
+                     "time_budget": self.config.time_budget, **extra})
 
     # ------------------------------------------------------------------ loop
     def trial_spec(self, trial_number: int, point: Point):
@@ -431,6 +473,7 @@ class Tuner:
     def run(self) -> dict[str, Any]:
         """Tune until the trial or time budget is spent (or nothing is left); returns a summary."""
         stop = None
+        self._event("start", {})  # the counts a resumed study starts from
         pool = cf.ThreadPoolExecutor(max_workers=max(1, self.config.concurrency), thread_name_prefix="trial")
         try:
             while True:
@@ -448,7 +491,7 @@ class Tuner:
                         predicted = self._predict(point)
                         spec = self.trial_spec(trial.number, point)
                         self._in_flight[pool.submit(self.runner.run, spec)] = (trial, point, predicted)
-                        self._event("launched", point)
+                        self._event("launched", point, trial=trial.number, predicted=predicted)
                     stop = self._stop_reason()
                 if not self._in_flight:
                     break
@@ -519,6 +562,7 @@ class Tuner:
         """The run's counts, and the point crowned in the whole study (other drivers' trials too):
         the confirmed one, with its confirmed figures, where the study's confirmation stands."""
         from ._confirm import crowned
+        from ._report import out_of_the_box, statuses
         from ._storage import redact
 
         p = self.progress
@@ -530,4 +574,6 @@ class Tuner:
                 "infrastructure": p.infrastructure, "duplicates": p.duplicates,
                 "best": (confirmed["samples_per_s"] if confirmed else best.values[0]) if best else None,
                 "best_point": best.user_attrs["point"] if best else None, "confirmed": confirmed,
-                "elapsed": time.monotonic() - p.started, "study": self.study.study_name, "config": config}
+                "best_peak": max((best.user_attrs.get("result") or {}).get("peak_memory") or [0]) or None if best else None,
+                "elapsed": time.monotonic() - p.started, "study": self.study.study_name, "config": config,
+                "by_status": statuses(self.study), "out_of_the_box": out_of_the_box(self.study, best, confirmed)}

@@ -4,21 +4,20 @@ driver loses nothing that was told, and a resumed one rewrites the same files.
 - ``trials.csv`` (and ``trials.parquet`` where pyarrow is installed): one row per trial;
 - ``best_schedule.json``: the crowned point as a schedule file (the fastest confirmed one where the
   study's confirmation stands, see ``._confirm``; else the fastest trial);
-- ``report.html`` (self-contained, images inlined) with the PNGs beside it.
+- ``report.html`` (self-contained, images inlined; see ``._report``) with the PNGs beside it.
 """
 
 from __future__ import annotations
 
-import base64
-import html
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._atomic import atomic_write, atomic_write_text
+from .._atomic import atomic_write
 from ..plan import TrialStatus
 from ..schedule_file import make_schedule, write_schedule
 from ._confirm import crowned, recorded
 from ._known import trial_status
+from ._report import write_report
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -28,9 +27,8 @@ if TYPE_CHECKING:
 
 LAUNCHED = [s.value for s in TrialStatus if s.launched]
 # the study attribute holding what rebuilds the outputs from the study alone: the problem (its
-# settings, resolved) and the strategy
+# settings, resolved), the strategy and the command that resumes the study (password hidden)
 OUTPUTS_ATTR = "outputs"
-PLOTS = ("best_so_far", "throughput_by_knob", "memory_predicted_vs_measured", "pruned_region")
 
 
 def trial_rows(study: Study, knob_names: list[str]) -> list[dict[str, Any]]:
@@ -86,8 +84,8 @@ class Outputs:
     rewrites the tables and the best schedule, and the report (plots) at most every
     ``REPORT_INTERVAL`` seconds; :meth:`finish` writes them all, the report included."""
 
-    def __init__(self, out: Path, problem: Problem, strategy: str) -> None:
-        self.out, self.problem, self.strategy = out, problem, strategy
+    def __init__(self, out: Path, problem: Problem, strategy: str, command: str | None = None) -> None:
+        self.out, self.problem, self.strategy, self.command = out, problem, strategy, command
         self._schedule_written: tuple | None = None  # the trial best_schedule.json holds, and its confirmed figures
         self._report_written: float | None = None  # when (time.monotonic) the report was last drawn
         self._report_seconds = 0.0  # how long drawing it took
@@ -121,7 +119,7 @@ class Outputs:
         # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
         interval = max(REPORT_INTERVAL, self._report_seconds / REPORT_SHARE)
         if report and (final or self._report_written is None or now - self._report_written >= interval):
-            write_report(self.out, frame, self.problem, study.study_name, self.strategy, best, confirmed)
+            write_report(self.out, frame, self.problem, study, self.strategy, best, confirmed, self.command)
             self._report_written, self._report_seconds = now, time.monotonic() - now
 
 
@@ -152,102 +150,6 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
         predicted={"peak_memory": predicted.get("peak"), "step_seconds": predicted.get("step_s")},
         study=study_name,
     )
-
-
-def _plots(out: Path, frame, knob_names: list[str], budget: int) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    made = []
-    ok = frame[frame.status == TrialStatus.OK] if len(frame) else frame
-
-    def save(fig, name):
-        path = out / f"{name}.png"
-        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
-        plt.close(fig)
-        made.append(name)
-
-    if len(ok):
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        launched = frame[frame.status.isin(LAUNCHED)].sort_values("trial")
-        best = launched.samples_per_s.fillna(0).cummax()
-        ax.step(range(1, len(best) + 1), best, where="post")
-        ax.set_xlabel("launched trials")
-        ax.set_ylabel("best samples/s")
-        ax.set_title("Best so far")
-        fig.tight_layout()
-        save(fig, "best_so_far")
-
-        varied = [k for k in knob_names if ok[k].nunique() > 1]
-        if varied:
-            fig, axes = plt.subplots(1, len(varied), figsize=(2.4 * len(varied), 2.8), squeeze=False)
-            for ax, knob in zip(axes[0], varied):
-                ax.scatter(ok[knob].astype(str), ok.samples_per_s, s=12)
-                ax.set_title(knob, fontsize=9)
-                ax.tick_params(labelsize=7)
-            axes[0][0].set_ylabel("samples/s")
-            fig.tight_layout()
-            save(fig, "throughput_by_knob")
-
-        fig, ax = plt.subplots(figsize=(4, 4))
-        ax.scatter(ok.peak_memory / 2**20, ok.predicted_peak / 2**20, s=12)
-        lim = [0, max(ok.peak_memory.max(), ok.predicted_peak.max()) / 2**20 * 1.1]
-        ax.plot(lim, lim, "k--", lw=1)
-        ax.set_xlabel("measured peak (MiB)")
-        ax.set_ylabel("predicted peak (MiB)")
-        ax.set_title("Memory: predicted vs measured")
-        fig.tight_layout()
-        save(fig, "memory_predicted_vs_measured")
-    if len(frame):
-        fig, ax = plt.subplots(figsize=(4.5, 3.2))
-        colors = {TrialStatus.OK: "tab:green", TrialStatus.OOM: "tab:red", TrialStatus.PRUNED: "tab:orange",
-                  TrialStatus.CRASH: "k", TrialStatus.TIMEOUT: "tab:gray"}
-        for status, part in frame[frame.status.isin([s.value for s in colors])].groupby("status"):
-            # every template has these two knobs (plan.KNOBS), so the table has their columns
-            ax.scatter(part.micro_batch, part.ckpt_ratio, s=20, c=colors[status], label=status, alpha=0.7)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batch")
-        ax.set_ylabel("checkpoint ratio")
-        ax.set_title(f"Pruned region (budget {budget / 2**20:.0f} MiB)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        save(fig, "pruned_region")
-    return made
-
-
-def write_report(out: Path, frame, problem: Problem, study_name: str, strategy: str,
-                 best: FrozenTrial | None, confirmed: dict[str, Any] | None = None) -> None:
-    budget = problem.spec.memory_budget
-    plots = _plots(out, frame, problem.space.names, budget)
-    statuses = [TrialStatus(s) for s in frame.status] if len(frame) else []
-    launched, pruned = sum(s.launched for s in statuses), statuses.count(TrialStatus.PRUNED)
-    failed = sum(s.failed for s in statuses)
-    infrastructure = sum(s.infrastructure for s in statuses)
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'><title>slapo-tune report</title>",
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}"
-        "td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:48%;margin:4px}</style></head><body>",
-        f"<h1>slapo-tune: {html.escape(problem.spec.model)} on {problem.spec.world_size} rank(s)</h1>",
-        f"<p>study <b>{html.escape(study_name)}</b>, template {html.escape(problem.template.describe())}, "
-        f"strategy {html.escape(strategy)}, budget {budget / 2**20:.0f} MiB per rank; "
-        f"{launched} launched, {pruned} pruned, {failed} failed, {infrastructure} infrastructure failure(s).</p>",
-        f"<p>best: <b>{html.escape(str(best.user_attrs['point']))}</b> at {best.values[0]:.2f} samples/s</p>"
-        if best and not confirmed else
-        f"<p>crowned: <b>{html.escape(str(best.user_attrs['point']))}</b> at {confirmed['samples_per_s']:.2f} "
-        f"samples/s confirmed ({len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; the "
-        f"trial measured {best.values[0]:.2f})</p>" if best else "<p>no point ran ok yet</p>",
-    ]
-    for name in plots:
-        data = base64.b64encode((out / f"{name}.png").read_bytes()).decode()
-        parts.append(f"<img alt='{name}' src='data:image/png;base64,{data}'>")
-    parts.append(frame.to_html(index=False, na_rep="", float_format=lambda x: f"{x:.4g}") if len(frame) else "")
-    parts.append("</body></html>")
-    text = "\n".join(parts)
-    atomic_write_text(out / "report.html", text)
 
 
 def export(storage: str | None, study_name: str | None, out: Path, report: bool = True) -> str:
@@ -282,5 +184,5 @@ def export(storage: str | None, study_name: str | None, out: Path, report: bool 
         raise UsageError(f"study '{study_name}' in {shown} was not written by slapo-tune tune "
                          f"(or by a version that kept its outputs in the results folder only)")
     problem = ProblemSpec(**recorded["problem"]).resolve()
-    Outputs(out, problem, recorded["strategy"]).finish(study, report=report)
+    Outputs(out, problem, recorded["strategy"], recorded.get("command")).finish(study, report=report)
     return study_name

@@ -2,7 +2,8 @@
 
 ``tpe`` and ``random`` are Optuna's own samplers, choosing knob by knob through
 :meth:`Space.suggest`; out-of-memory and pruned points reach them as infeasible (a positive
-``memory`` constraint, set with ``Trial.set_constraint``, which TPE reads).
+constraint, which TPE reads). The study asks every strategy through :class:`LegalDomains`, which
+keeps each knob's value legal given the earlier knobs.
 
 ``grid``, ``model``, ``frontier`` and ``guided`` choose whole points, in an order of their own, from what the
 study knows: an :class:`OrderedSampler` works out its next point once per trial, from the study's
@@ -28,8 +29,50 @@ from optuna.trial import FrozenTrial
 
 from ..plan import Plan, TrialStatus
 from ..problem import Problem
-from ..space import Point, point_key
+from ..space import Point, Space, point_key
 from ._known import Known, KnownReader
+
+
+class LegalDomains(optuna.samplers.BaseSampler):
+    """The sampler a study asks, around a strategy. Each knob is one Optuna parameter whose
+    distribution is every value the knob takes anywhere in the space (:meth:`Space.domain`), while
+    the values legal at a trial depend on its earlier knobs (``pp`` must divide ``world / tp``). A
+    value the strategy proposes outside them is drawn again: Optuna's samplers draw at random, so
+    redrawing keeps their preferences among the legal values (uniform ones for ``random``); after
+    ``REDRAWS`` draws a legal value is taken at random. The ordered strategies propose legal
+    points, which pass at once. Sampling is per knob (Optuna's independent sampling: TPE's default)."""
+
+    REDRAWS = 32
+
+    def __init__(self, strategy: optuna.samplers.BaseSampler, space: Space, seed: int = 0) -> None:
+        self.strategy, self.space = strategy, space
+        self._rng = np.random.RandomState(seed)
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study: Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        legal = self.space.legal_given(param_name, trial.params)
+        for _ in range(self.REDRAWS):
+            value = self.strategy.sample_independent(study, trial, param_name, param_distribution)
+            if value in legal:
+                return value
+        return legal[self._rng.randint(len(legal))]
+
+    def before_trial(self, study: Study, trial: FrozenTrial) -> None:
+        self.strategy.before_trial(study, trial)
+
+    def after_trial(self, study: Study, trial: FrozenTrial, state, values) -> None:
+        self.strategy.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self.strategy.reseed_rng()
+        self._rng.seed()
 
 
 class _ChoosesFreely:
@@ -97,7 +140,7 @@ class OrderedSampler(optuna.samplers.BaseSampler):
         point = self._asked[1]
         if point is None:
             return self._fallback.sample_independent(study, trial, param_name, param_distribution)
-        return point[param_name.split("|")[0]]  # "pp|tp=2": knob pp, qualified (Space.param_name)
+        return point[param_name]
 
 
 class Grid(OrderedSampler):
