@@ -16,8 +16,10 @@ class LastingReplay(ReplayRunner):
         return result
 
 
-def drive(storage: str, out: str, strategy: str, seed: int, trials: int, queue) -> None:
-    """One driver on the shared study: the points it launched, put on ``queue``."""
+def drive(storage: str, out: str, strategy: str, seed: int, trials: int, queue, barrier=None) -> None:
+    """One driver on the shared study: the points it launched, put on ``queue``. With ``barrier``:
+    its search starts when every driver's tuner is built (a driver that started up faster would
+    otherwise run every trial before the other asks for one)."""
     from pathlib import Path
 
     from benchmarks.search_strategies import load_grid, replay_tuner
@@ -27,6 +29,8 @@ def drive(storage: str, out: str, strategy: str, seed: int, trials: int, queue) 
         runner = LastingReplay(results)
         tuner, _ = replay_tuner(strategy, seed, "analytic", results, budget, trials, runner=runner,
                                 storage=storage, out=Path(out), study="shared")
+        if barrier is not None:
+            barrier.wait(timeout=300)
         summary = tuner.run()
         queue.put((runner.launched, summary["best"]))
     except BaseException:  # the test shows why instead of waiting for a report that never comes

@@ -167,8 +167,8 @@ def test_two_drivers_on_one_study_launch_no_point_twice(tmp_path, request, stora
     else:
         url = f"sqlite:///{tmp_path / 'study.db'}" if storage == "sqlite" else f"journal:{tmp_path / 'study.journal'}"
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    drivers = [context.Process(target=drive, args=(url, str(tmp_path / f"out{i}"), strategy, 0, 8, queue))
+    queue, barrier = context.Queue(), context.Barrier(2)
+    drivers = [context.Process(target=drive, args=(url, str(tmp_path / f"out{i}"), strategy, 0, 8, queue, barrier))
                for i in range(2)]
     try:
         for d in drivers:
