@@ -9,7 +9,7 @@ per (device, family, precision). Time is analytic (compute, overheads, communica
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +34,11 @@ from .analytic import (
     memory_terms,
     model_flops_per_step,
     optimistic,
+    point_columns,
     predict_memory,
+    predict_steps,
     predict_time,
+    samples_per_second,
     stage_builder,
     time_terms,
     vector_peak,
@@ -132,15 +135,12 @@ class CostModel:
             return _merged(apart, lambda members: self.quick_verdicts(members[0], members, budget, w))
         # the predicted peak (an int) is between these: the verdict and the side of the budget
         # are known where both ends agree (the optimistic end of each, as optimistic() takes it)
-        oks, peaks, where = [], [], []
-        for i, (total, size) in enumerate(zip(totals.tolist(), sizes.tolist())):
-            margin = 1e-9 * max(abs(total), size) + 2
-            low, high = int(total - margin), int(total + margin)
-            pruned = int(low * keep) > budget
-            if pruned != (int(high * keep) > budget) or (not pruned and (low > budget) != (high > budget)):
-                where.append(i)
-            oks.append(not pruned)
-            peaks.append(low)
+        # (int() truncates; np.trunc of these floats, far below 2**53, is the same whole number)
+        margin = 1e-9 * np.maximum(np.abs(totals), sizes) + 2
+        low, high = np.trunc(totals - margin), np.trunc(totals + margin)
+        pruned = np.trunc(low * keep) > budget
+        open_ = (pruned != (np.trunc(high * keep) > budget)) | (~pruned & ((low > budget) != (high > budget)))
+        oks, peaks, where = (~pruned).tolist(), low.astype(np.int64).tolist(), np.flatnonzero(open_).tolist()
         if where:
             for i, ok, peak in zip(where, *self._exact_verdicts(point, [variants[i] for i in where], budget, w)):
                 oks[i], peaks[i] = ok, peak
@@ -336,6 +336,12 @@ class CostModel:
     # -------------------------------------------------------------------- time
     def time(self, point: Mapping[str, Any]) -> TimePrediction:
         return predict_time(self.layout, point, self.workload, self.device, self.calibration.time_weights)
+
+    def throughputs(self, points: Sequence[Mapping[str, Any]]):
+        """``time(p).throughput(workload)`` of each of ``points`` (a numpy array), evaluated together."""
+        steps = predict_steps(self.layout, point_columns(points), self.workload, self.device,
+                              self.calibration.time_weights)
+        return samples_per_second(self.workload.global_batch, steps)
 
     def calibrate_time(self, points: Iterable[Mapping[str, Any]], step_seconds: Iterable[float],
                        save: bool = True) -> Calibration:

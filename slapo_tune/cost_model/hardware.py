@@ -12,7 +12,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..errors import UsageError
 
@@ -42,19 +44,21 @@ class Hardware:
     memory_bandwidth: float = 0.0  # bytes/s per device for streaming kernels (0: not modelled)
     peak_flops: float = 0.0  # the datasheet's dense peak for the training dtype (MFU's denominator; 0: flops)
 
-    def gemm_rate(self, tokens: float, threads: int = 1) -> float:
+    def gemm_rate(self, tokens: Any, threads: Any = 1) -> Any:
         """Achievable FLOP/s of the GEMMs of a micro-batch of ``tokens`` tokens (on ``threads``
-        threads of a CPU; a GPU is one device)."""
+        threads of a CPU; a GPU is one device); elementwise over arrays of points."""
         half = self.gemm_half_tokens
         if self.cores:
             rate = self.flops * threads
             half *= (threads - 1) / (self.cores - 1) if self.cores > 1 else 0.0
         else:
             rate = self.flops
-        return rate * tokens / (tokens + half) if tokens > 0 else rate
+        with np.errstate(invalid="ignore", divide="ignore"):  # 0 tokens: selected out
+            return np.where(tokens > 0, rate * tokens / (tokens + half), rate)[()]
 
-    def bandwidth(self, group_size: int, spans_nodes: bool) -> float:
-        return self.inter_bandwidth if spans_nodes else self.intra_bandwidth
+    def bandwidth(self, group_size: Any, spans_nodes: Any) -> Any:
+        """Per direction, of a group (elementwise over arrays of groups: ``spans_nodes`` may be one)."""
+        return np.where(spans_nodes, self.inter_bandwidth, self.intra_bandwidth)[()]
 
     def as_dict(self) -> dict:
         return asdict(self)
