@@ -150,8 +150,8 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     * the other points are listed up to the trailing knobs of fixed domains that change only what a
       block keeps (attn, fuse): each such stem stands for their product;
     * points that differ only in what a block keeps (sp, ckpt_policy, attn, fuse) form a group: a
-      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floor`) is
-      pruned unevaluated; the others are evaluated together, stage by stage, stopping once none can
+      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floor`, a
+      block's groups at once) is pruned unevaluated; the others are evaluated together, stage by stage, stopping once none can
       fit (:meth:`CostModel.quick_verdicts`, which evaluates apart what its stages tell apart);
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
     * step time only for the points that fit (every knob may change it), all at once
@@ -221,9 +221,10 @@ def _search(model, problem, budget: int, top: int) -> _Found:
             for stem in itertools.chain((head,), listed):
                 stems.append((index, stem, {**KNOB_DEFAULTS, **stem}))
                 index += width
-        for group in _groups([point for *_, point in stems], range(len(stems))).values():
-            variants = [{**stems[s][2], **combo} for s in group for combo in combos]
-            floor = model.group_floor(variants[0], variants, weights)
+        groups = list(_groups([point for *_, point in stems], range(len(stems))).values())
+        group_variants = [[{**stems[s][2], **combo} for s in group for combo in combos] for group in groups]
+        group_floors = model.group_floors([variants[0] for variants in group_variants], group_variants, weights)
+        for group, variants, floor in zip(groups, group_variants, group_floors):
             if optimistic(floor, uncertainty) > budget:  # none fits: pruned together, unlisted
                 members = [stems[s] for s in group]
                 found.pruned += len(variants)

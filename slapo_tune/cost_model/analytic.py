@@ -720,6 +720,18 @@ def checkpointed_per_stage(ratio: float, total_layers: int, pp: int, vpp: int = 
     return tuple(sum(checkpointed_per_chunk(ratio, total_layers, pp, s, vpp)) for s in range(pp))
 
 
+@functools.lru_cache(maxsize=4096)
+def checkpointed_in_flight(ratio: float, total_layers: int, pp: int, rank: int, vpp: int, micro_batches: int) -> float:
+    """The checkpointed blocks of ``rank`` a micro-batch in flight holds: all of them, or
+    interleaved, averaged over the chunks in flight at the most (:func:`interleaved_chunks_in_flight`)."""
+    chunks = checkpointed_per_chunk(ratio, total_layers, pp, rank, vpp)
+    ckpt = sum(chunks)
+    if vpp > 1 and ckpt:
+        counts = interleaved_chunks_in_flight(pp, vpp, micro_batches, rank)
+        return vpp * sum(n * c for n, c in zip(counts, chunks)) / sum(counts)
+    return ckpt
+
+
 def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int, vpp: int = 1) -> int:
     """The most checkpointed blocks on any stage (the recomputation the slowest stage does)."""
     return max(checkpointed_per_stage(ratio, total_layers, pp, vpp))
@@ -927,11 +939,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # at once), beside every other gradient made
         emb_1 = embedding * Pb * (3 if layout.tied_head and last else 1) if first else 0.0
         ckpt_chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
-        ckpt = sum(ckpt_chunks)
-        if vpp > 1 and ckpt:
-            # a micro-batch's activations, averaged over the chunks in flight at the most
-            counts = interleaved_chunks_in_flight(pp, vpp, m, stage)
-            ckpt = vpp * sum(n * c for n, c in zip(counts, ckpt_chunks)) / sum(counts)
+        ckpt = checkpointed_in_flight(ratio, layout.layers, pp, stage, vpp, m)
         full = per_stage - ckpt
         ends = 0.0
         if first:
