@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -38,7 +37,7 @@ from .._atomic import atomic_write_text
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from ..plan import Workload, accumulation, knob_value
 from ..template import Template
-from .hardware import Hardware, _cache_dir
+from .hardware import Hardware, _cache_dir, choose, larger
 
 MEMORY_TERMS = (
     "weights",  # parameters the rank holds between steps (sharded by tp; by dp under zero>=1: fp32 shards)
@@ -1471,21 +1470,20 @@ class TimePrediction:
 def samples_per_second(global_batch: int, step: Any) -> Any:
     """Samples per second of a step of ``step`` seconds (0 where it takes none); elementwise over
     arrays of points."""
-    with np.errstate(divide="ignore"):
-        return np.where(step > 0, global_batch / np.where(step > 0, step, 1.0), 0.0)[()]
+    return choose(step > 0, global_batch / choose(step > 0, step, 1.0), 0.0)
 
 
-def _ring(bytes_: np.ndarray, n: np.ndarray, hw: Hardware, kind: str = "all_reduce", stride: Any = 1) -> np.ndarray:
+def _ring(bytes_: Any, n: Any, hw: Hardware, kind: str = "all_reduce", stride: Any = 1) -> Any:
     """A ring collective over ``n`` ranks ``stride`` apart (alpha-beta): across nodes once the
     ring spans more devices than a node holds. Elementwise over arrays of points (see
     :func:`time_columns`)."""
     spans = n * stride > hw.devices_per_node
     factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return np.where((n <= 1) | (bytes_ <= 0), 0.0, steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans))
+    return choose((n <= 1) | (bytes_ <= 0), 0.0, steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans))
 
 
-def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> tuple[np.ndarray, np.ndarray]:
+def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> tuple[Any, Any]:
     """(all-gathers, reduce-scatters) of a stage's parameters per step at ZeRO ``level`` 1-3.
 
     One stage: level 1 gathers once and reduces once per step; level 2 gathers and reduces every
@@ -1495,10 +1493,11 @@ def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> 
     1F1B backward gathers again (GPipe's backwards all follow the last forward: one gathering).
     Elementwise over arrays of points (the first case that holds, in that order).
     """
-    m = np.asarray(micro_batches)
-    cases = [level == 1, (pp == 1) | (m == 1), level == 2]
-    gathers = np.select(cases, [1, np.where(level == 2, m, 2 * m), 1], np.where(schedule == "gpipe", m + 1, 2 * m))
-    return gathers, np.select(cases, [1, m, 1], 1)
+    m = micro_batches
+    one_stage = (pp == 1) | (m == 1)
+    gathers = choose(level == 1, 1, choose(one_stage, choose(level == 2, m, 2 * m),
+                                           choose(level == 2, 1, choose(schedule == "gpipe", m + 1, 2 * m))))
+    return gathers, choose(level == 1, 1, choose(one_stage, m, 1))
 
 
 # Elements a block's non-matmul kernels read and write per token in forward, in Hugging Face's eager
@@ -1523,8 +1522,8 @@ BACKWARD_TRAFFIC = 1.5
 FLASH_EFFICIENCY = 0.75
 
 
-def block_traffic(layout: ModelLayout, point: Mapping[str, np.ndarray], seq_len: int, precision: str,
-                  gpu: bool = False) -> np.ndarray:
+def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, precision: str,
+                  gpu: bool = False) -> Any:
     """Elements one block's memory-bound kernels read and write in forward, per token (see
     :data:`NORM_PASSES`); tensor parallelism divides what is inside its regions. On a GPU, SDPA is
     a fused kernel (no score passes); on a CPU it writes scores where the probe found them kept
@@ -1537,14 +1536,16 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, np.ndarray], seq_len:
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     outside = (2 * NORM_PASSES["rms" if gated else "layer"] + RESIDUAL_PASSES) * layout.hidden
     passes = ACTIVATION_PASSES[(gated, "on")], ACTIVATION_PASSES[(gated, "off")]
-    inside = np.where((point["fuse"] == "on") & gpu, *passes) * layout.intermediate
+    inside = choose((point["fuse"] == "on") & gpu, *passes) * layout.intermediate
     if gated:
         inside += ROTARY_PASSES * (q + kv)
-    written = [a for a in np.unique(attn).tolist() if a == "eager" or (not gpu and scores_materialised(layout, a, precision))]
-    inside += np.where(np.isin(attn, written), SCORE_PASSES * layout.heads * seq_len, 0)
+    kernels = set(attn.tolist()) if isinstance(attn, np.ndarray) else {attn}
+    written = [a for a in kernels if a == "eager" or (not gpu and scores_materialised(layout, a, precision))]
+    scores = np.isin(attn, written) if isinstance(attn, np.ndarray) else attn in written
+    inside += choose(scores, SCORE_PASSES * layout.heads * seq_len, 0)
     # sequence parallelism runs what is outside the regions on a sequence shard
     sp = (tp > 1) & (point["sp"] == "on")
-    return outside / np.where(sp, tp, 1) + inside / tp
+    return outside / choose(sp, tp, 1) + inside / tp
 
 
 def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
@@ -1553,7 +1554,7 @@ def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
     return attn == "eager" or layout.score_bytes.get(precision, {}).get(attn, 0.0) > 0
 
 
-def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1) -> np.ndarray:
+def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1) -> Any:
     """One ``m x k @ k x n`` product: a GPU's roofline (FLOPs at its large-GEMM rate, or its
     operands' bytes at memory bandwidth, whichever is longer); a CPU's measured rate by the
     product's rows (:meth:`Hardware.gemm_rate`) on a rank's share of the cores when ``ranks`` run
@@ -1561,9 +1562,9 @@ def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: 
     Elementwise over arrays of points (:func:`time_columns`)."""
     flops = 2 * m * k * n
     if hw.cores:
-        return flops / hw.gemm_rate(m, np.maximum(1, hw.cores // ranks)) * np.maximum(1.0, ranks / hw.cores)
+        return flops / hw.gemm_rate(m, larger(1, hw.cores // ranks)) * larger(1.0, ranks / hw.cores)
     traffic = dtype_bytes * (m * k + k * n + m * n)
-    return np.maximum(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
+    return larger(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
 
 
 # what the time terms read of a point
@@ -1579,17 +1580,17 @@ def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
 
 
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
-    """Seconds per step of each time term (before weights) of one point: :func:`time_columns` of
-    a one-point column."""
-    return {k: float(v[0]) for k, v in time_columns(layout, point_columns([point]), workload, hw).items()}
+    """Seconds per step of each time term (before weights) of one point (:func:`time_columns` of
+    its knobs' values)."""
+    point = {k: knob_value(point, k) for k in TIME_KNOBS}
+    return {k: float(v) for k, v in time_columns(layout, point, workload, hw).items()}
 
 
-def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload: Workload,
-                 hw: Hardware) -> dict[str, np.ndarray]:
-    """Seconds per step of each time term (before weights), of many points at once: ``point``
-    holds one array per knob of :data:`TIME_KNOBS` (:func:`point_columns`), the terms are arrays
-    of as many elements, each the float operations a point's own evaluation makes (branches on
-    the knobs are selections: ``np.where``).
+def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, Any]:
+    """Seconds per step of each time term (before weights), of one point or of many at once:
+    ``point`` holds a value or one array per knob of :data:`TIME_KNOBS` (:func:`point_columns`);
+    the terms are then arrays of as many elements, each the float operations of that point's own
+    evaluation (branches on the knobs are selections: :func:`~.hardware.choose`).
 
     The slowest stage's ``m + (pp - 1) / vpp`` slots (its micro-batches and the bubble) of:
     ``compute``, its blocks' and head's matrix products (by each product's shape: a GPU's
@@ -1611,18 +1612,19 @@ def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload:
     m = accumulation(workload, dp, b)
     sp = (tp > 1) & (point["sp"] == "on")
     selective = point["ckpt_policy"] == "selective"
-    vpp = np.where(pp > 1, point["vpp"], 1)
+    vpp = choose(pp > 1, point["vpp"], 1)
     gpu = not hw.cores
     per_stage = layout.layers // pp
-    counts: dict[tuple, int] = {}  # few distinct (ratio, pp, vpp): each counted once
-    ckpt = np.array([counts[key] if key in counts else counts.setdefault(key, checkpointed_count(0, *key))
-                     for key in zip(point["ckpt_ratio"].tolist(), itertools.repeat(layout.layers), pp.tolist(),
-                                    vpp.tolist())], dtype=np.int64)
+    if isinstance(pp, np.ndarray):  # few distinct (ratio, pp, vpp) of many points
+        ckpt = np.array([checkpointed_count(0, r, layout.layers, n, v) for r, n, v in
+                         zip(point["ckpt_ratio"].tolist(), pp.tolist(), vpp.tolist())], dtype=np.int64)
+    else:
+        ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s
     world = tp * pp * dp
     # CPU: ranks share the cores (threads each, see gemm_seconds) and the memory bandwidth; more
     # ranks than cores time-slice
-    sliced = np.maximum(1.0, world / hw.cores) if hw.cores else 1.0
+    sliced = larger(1.0, world / hw.cores) if hw.cores else 1.0
     bandwidth = hw.memory_bandwidth / sliced
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     width = layout.intermediate * (2 if layout.gated_mlp else 1)
@@ -1634,7 +1636,7 @@ def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload:
     heads = layout.heads / tp
     # SDPA on a GPU: a fused kernel, FlashAttention-2 keeps scores on chip, dropout too; else QK^T
     # and AV: per head, an s x d @ d x s and an s x s @ s x d product
-    attn_fwd = np.where((point["attn"] == "sdpa") & gpu,
+    attn_fwd = choose((point["attn"] == "sdpa") & gpu,
                         4 * b * heads * s * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
                         b * heads * (gemm(s, layout.head_dim, s) + gemm(s, s, layout.head_dim)))
     traffic_fwd = (tokens * block_traffic(layout, point, s, workload.precision, gpu) * B / bandwidth
@@ -1642,7 +1644,7 @@ def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload:
     # forward and backward (twice the forward), and recomputation: a fully checkpointed block runs
     # its forward again, a selectively checkpointed one all but its matrix products
     passes = 1 + BACKWARD_TRAFFIC
-    compute_mb = 3 * (per_stage * block_gemms + head_gemm) + np.where(selective, 0.0, ckpt * block_gemms)
+    compute_mb = 3 * (per_stage * block_gemms + head_gemm) + choose(selective, 0, ckpt * block_gemms)
     attention_mb = 3 * per_stage * attn_fwd + ckpt * attn_fwd
     elementwise_mb = passes * per_stage * traffic_fwd + ckpt * traffic_fwd
     # the slowest stage's time slots: its m micro-batches and the pipeline's fill and drain, pp - 1
@@ -1652,14 +1654,14 @@ def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload:
     compute, attention, elementwise = slots * compute_mb, slots * attention_mb, slots * elementwise_mb
     # a fixed cost per block and micro-batch, and per two collective calls: tensor parallelism's
     # four all-reduces per block (forward and backward), sequence parallelism's ten (below)
-    calls = np.where(tp > 1, np.where(sp, 5, 2), 0)
+    calls = choose(tp > 1, choose(sp, 5, 2), 0)
     overhead = slots * per_stage * hw.overhead_per_layer * (1 + calls)
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
     # repeat more often
     block_params = layout.block_sharded / tp + layout.block_replicated
     edges = [layout.pre_sharded / tp + layout.pre_replicated, layout.post_sharded / tp + layout.post_replicated]
-    stage_params = per_stage * block_params + np.where(pp == 1, edges[0] + edges[1], np.maximum(*edges))
+    stage_params = per_stage * block_params + choose(pp == 1, sum(edges), larger(*edges))
     grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if hw.memory_bandwidth else 0.0
     act_bytes = tokens * layout.hidden * B
     # forward and backward, two regions per block: all-reduces, or under sequence parallelism as
@@ -1671,19 +1673,19 @@ def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload:
     # (the mesh is (pp, dp, tp)): inside a node unless tp is larger
     scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
     gather = _ring(act_bytes, tp, hw, "all_gather")
-    tp_comm = np.where(sp, slots * per_stage * (6 * gather + 4 * scatter), slots * per_stage * 4 * _ring(act_bytes, tp, hw))
+    tp_comm = choose(sp, slots * per_stage * (6 * gather + 4 * scatter), slots * per_stage * 4 * _ring(act_bytes, tp, hw))
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
     # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks
     # apart: across nodes once that fills one. On a GPU the steady state's sends run beside compute;
     # the fill and drain's do not
-    pp_bytes = np.where(sp, act_bytes / tp, act_bytes)
-    pp_link = np.where(gpu & (tp * dp >= hw.devices_per_node), hw.inter_bandwidth, hw.intra_bandwidth)
+    pp_bytes = choose(sp, act_bytes / tp, act_bytes)
+    pp_link = choose(gpu & (tp * dp >= hw.devices_per_node), hw.inter_bandwidth, hw.intra_bandwidth)
     transfers = 2 * (pp - 1) if gpu else 2 * (vpp * m + pp - 1)
-    pp_comm = np.where(pp > 1, transfers * (hw.latency + pp_bytes / pp_link), 0.0)
+    pp_comm = choose(pp > 1, transfers * (hw.latency + pp_bytes / pp_link), 0.0)
     # data parallelism: level 0 all-reduces the fp32 gradients once per step, after the backward;
     # FSDP all-gathers the parameters in the compute dtype and reduce-scatters fp32 gradients, as
     # often as its level reshards (see memory_terms); a data-parallel group's ranks are tp apart
-    level = np.where(dp > 1, point["zero"], 0)
+    level = choose(dp > 1, point["zero"], 0)
     dp_stride = tp
     gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
     gather_s = _ring(stage_params * mode.param_bytes, dp, hw, "all_gather", stride=dp_stride)
@@ -1693,10 +1695,10 @@ def time_columns(layout: ModelLayout, point: Mapping[str, np.ndarray], workload:
         # FSDP prefetches the next block's gathers and reduces the previous block's gradients on
         # their own streams (level 2 and 3): all but one block's first gather and last reduction
         # hide behind compute, as long as there is compute to hide behind
-        units = np.maximum(1, per_stage)
+        units = larger(1, per_stage)
         exposed = (gather_s + reduce_s) / units
-        fsdp = np.where(level >= 2, np.maximum(exposed, fsdp - (compute + attention + elementwise)), fsdp)
-    dp_comm = np.where(level == 0, _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride), fsdp)
+        fsdp = choose(level >= 2, larger(exposed, fsdp - (compute + attention + elementwise)), fsdp)
+    dp_comm = choose(level == 0, _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride), fsdp)
     return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
             "grad_accumulation": grad_accumulation, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 

@@ -24,6 +24,22 @@ if TYPE_CHECKING:
 GiB = 2**30
 
 
+# The time model evaluates one point (Python numbers) or many at once (numpy arrays, one element
+# per point) by the same code: its branches on a point's knobs are these selections
+def choose(condition: Any, if_true: Any, if_false: Any) -> Any:
+    """``if_true if condition else if_false``, elementwise where ``condition`` is an array."""
+    if isinstance(condition, np.ndarray):
+        return np.where(condition, if_true, if_false)
+    return if_true if condition else if_false
+
+
+def larger(a: Any, b: Any) -> Any:
+    """``max(a, b)``, elementwise over arrays."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.maximum(a, b)
+    return max(a, b)
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One device kind and its links. Rates in FLOP/s, bandwidths in bytes/s, latencies in s."""
@@ -53,12 +69,11 @@ class Hardware:
             half *= (threads - 1) / (self.cores - 1) if self.cores > 1 else 0.0
         else:
             rate = self.flops
-        with np.errstate(invalid="ignore", divide="ignore"):  # 0 tokens: selected out
-            return np.where(tokens > 0, rate * tokens / (tokens + half), rate)[()]
+        return choose(tokens > 0, rate * tokens / choose(tokens > 0, tokens + half, 1.0), rate)
 
     def bandwidth(self, group_size: Any, spans_nodes: Any) -> Any:
         """Per direction, of a group (elementwise over arrays of groups: ``spans_nodes`` may be one)."""
-        return np.where(spans_nodes, self.inter_bandwidth, self.intra_bandwidth)[()]
+        return choose(spans_nodes, self.inter_bandwidth, self.intra_bandwidth)
 
     def as_dict(self) -> dict:
         return asdict(self)
