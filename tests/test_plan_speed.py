@@ -228,3 +228,23 @@ def test_plan_does_not_load_torch():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("case", [(), GPT2], ids=["llama", "gpt2-amp"])
+def test_throughputs_together_are_each_points_own_bit_for_bit(case):
+    """``plan`` ranks the points that fit by :meth:`CostModel.throughputs`, the time model over
+    arrays of points: each element is what :meth:`CostModel.time` gives that point alone (the same
+    code on Python numbers), on a GPU preset and on CPU ranks (a measured GEMM curve, time-sliced
+    cores, memory bandwidth)."""
+    import dataclasses
+
+    import numpy as np
+
+    model, evaluated = _evaluated(*case)
+    points = [point for point, _ in evaluated[::5]]
+    cpu = dataclasses.replace(model.device, name="cpu", cores=3, gemm_half_tokens=200.0, memory_bandwidth=2e10)
+    for device in (model.device, cpu):
+        timed = CostModel(model.problem, device, calibration=model.calibration, layout=model.layout)
+        alone = np.array([timed.time(p).throughput(timed.workload) for p in points])
+        assert np.array_equal(timed.throughputs(points), alone), device.name
+        assert len(set(alone.tolist())) > len(points) // 20  # the knobs change them

@@ -150,15 +150,18 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     * the other points are listed up to the trailing knobs of fixed domains that change only what a
       block keeps (attn, fuse): each such stem stands for their product;
     * points that differ only in what a block keeps (sp, ckpt_policy, attn, fuse) form a group: a
-      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floor`) is
-      pruned unevaluated; the others are evaluated together, stage by stage, stopping once none can
+      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floor`, a
+      block's groups at once) is pruned unevaluated; the others are evaluated together, stage by stage, stopping once none can
       fit (:meth:`CostModel.quick_verdicts`, which evaluates apart what its stages tell apart);
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
-    * step time only for the points that fit (every knob may change it); full rows only for the
+    * step time only for the points that fit (every knob may change it), all at once
+      (:meth:`CostModel.throughputs`); full rows only for the
       shown ones: the best points that fit (predicted to fit first, then by throughput, then in
       space order) and the first pruned ones; the pruned ones of smallest peak when asked
       (:meth:`_Found.smallest`).
     """
+    import numpy as np
+
     from ..cost_model.analytic import optimistic
     from ..plan import KNOB_DEFAULTS, Plan
 
@@ -185,7 +188,8 @@ def _search(model, problem, budget: int, top: int) -> _Found:
 
     checked: set[tuple] = set()
     floors: dict[tuple, int] = {}
-    fits: list[tuple] = []
+    fits: list[tuple[bool, int, dict]] = []  # (above the budget, index, knobs) of the points that fit
+    fitting: list[dict] = []  # and their complete points
     examples: list[tuple[int, dict]] = []  # (index, knobs) of the first pruned points
     index = 0
     for block in space.prefixes(block_depth):
@@ -217,9 +221,10 @@ def _search(model, problem, budget: int, top: int) -> _Found:
             for stem in itertools.chain((head,), listed):
                 stems.append((index, stem, {**KNOB_DEFAULTS, **stem}))
                 index += width
-        for group in _groups([point for *_, point in stems], range(len(stems))).values():
-            variants = [{**stems[s][2], **combo} for s in group for combo in combos]
-            floor = model.group_floor(variants[0], variants, weights)
+        groups = list(_groups([point for *_, point in stems], range(len(stems))).values())
+        group_variants = [[{**stems[s][2], **combo} for s in group for combo in combos] for group in groups]
+        group_floors = model.group_floors([variants[0] for variants in group_variants], group_variants, weights)
+        for group, variants, floor in zip(groups, group_variants, group_floors):
             if optimistic(floor, uncertainty) > budget:  # none fits: pruned together, unlisted
                 members = [stems[s] for s in group]
                 found.pruned += len(variants)
@@ -234,8 +239,8 @@ def _search(model, problem, budget: int, top: int) -> _Found:
                 s, c = divmod(v, width)
                 i, stem, _ = stems[group[s]]
                 if ok:
-                    throughput = model.time(variants[v]).throughput(workload)
-                    fits.append((peak > budget, -throughput, i + c, {**stem, **combos[c]}))
+                    fits.append((peak > budget, i + c, {**stem, **combos[c]}))
+                    fitting.append(variants[v])
                 else:
                     pruned.append((peak, i + c, stem, combos[c]))
             if pruned:
@@ -247,8 +252,10 @@ def _search(model, problem, budget: int, top: int) -> _Found:
             examples += sorted(firsts, key=operator.itemgetter(0))[:top - len(examples)]
     found.points, found.feasible = index, len(fits)
     found.examples = [_row(model, Plan.of(raw, workload), budget) for _, raw in examples]
-    fits.sort(key=lambda f: f[:3])
-    found.rows = [_row(model, Plan.of(raw, workload), budget) for *_, raw in fits[:top]]
+    # the points that fit, evaluated together: predicted to fit first, then by throughput, then in space order
+    throughputs = model.throughputs(fitting)
+    best = np.lexsort((np.array([f[1] for f in fits]), -throughputs, np.array([f[0] for f in fits], dtype=bool)))
+    found.rows = [_row(model, Plan.of(fits[j][2], workload), budget) for j in best[:top].tolist()]
     return found
 
 

@@ -9,7 +9,7 @@ per (device, family, precision). Time is analytic (compute, overheads, communica
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,16 +26,18 @@ from .analytic import (
     TimePrediction,
     _flights,
     block_activations,
-    checkpointed_per_chunk,
+    checkpointed_in_flight,
     dominant_stages,
-    interleaved_chunks_in_flight,
     layout_of,
     linear_terms,
     memory_terms,
     model_flops_per_step,
     optimistic,
+    point_columns,
     predict_memory,
+    predict_steps,
     predict_time,
+    samples_per_second,
     stage_builder,
     time_terms,
     vector_peak,
@@ -132,15 +134,12 @@ class CostModel:
             return _merged(apart, lambda members: self.quick_verdicts(members[0], members, budget, w))
         # the predicted peak (an int) is between these: the verdict and the side of the budget
         # are known where both ends agree (the optimistic end of each, as optimistic() takes it)
-        oks, peaks, where = [], [], []
-        for i, (total, size) in enumerate(zip(totals.tolist(), sizes.tolist())):
-            margin = 1e-9 * max(abs(total), size) + 2
-            low, high = int(total - margin), int(total + margin)
-            pruned = int(low * keep) > budget
-            if pruned != (int(high * keep) > budget) or (not pruned and (low > budget) != (high > budget)):
-                where.append(i)
-            oks.append(not pruned)
-            peaks.append(low)
+        # (int() truncates; np.trunc of these floats, far below 2**53, is the same whole number)
+        margin = 1e-9 * np.maximum(np.abs(totals), sizes) + 2
+        low, high = np.trunc(totals - margin), np.trunc(totals + margin)
+        pruned = np.trunc(low * keep) > budget
+        open_ = (pruned != (np.trunc(high * keep) > budget)) | (~pruned & ((low > budget) != (high > budget)))
+        oks, peaks, where = (~pruned).tolist(), low.astype(np.int64).tolist(), np.flatnonzero(open_).tolist()
         if where:
             for i, ok, peak in zip(where, *self._exact_verdicts(point, [variants[i] for i in where], budget, w)):
                 oks[i], peaks[i] = ok, peak
@@ -229,32 +228,39 @@ class CostModel:
         :meth:`layout_floor`) beside the activations of the micro-batches the stage holds before
         its first backward (the forward's moment) or, accumulating, after it beside the
         accumulated gradients (the loss's), each block keeping the least any variant's does. 0
-        where a weight is negative."""
+        where a weight is negative. :meth:`group_floors` of one group."""
+        return self.group_floors([point], [variants], weights)[0]
+
+    def group_floors(self, points: Sequence[Mapping[str, Any]], variants: Sequence[list[Mapping[str, Any]]],
+                     weights: Mapping[str, float] | None = None) -> list[int]:
+        """:meth:`group_floor` of each of ``points`` and its ``variants``, evaluated together (the
+        per-group sizes looked up, once per distinct key; the floors as array operations)."""
+        import numpy as np
+
         from ..plan import accumulation
 
         w = weights if weights is not None else self._weights()
         if min(w.values()) < 0:
-            return 0
+            return [0] * len(points)
         layout = self.layout
-        pp, dp, b = point["pp"], point["dp"], point["micro_batch"]
-        ratio, schedule = point["ckpt_ratio"], point["pipeline_schedule"]
-        vpp = knob_value(point, "vpp") if pp > 1 else 1
-        m = accumulation(self.workload, dp, b)
-        per_stage = layout.layers // pp
-        plain, kept = self._least_kept(variants, w)
-        floor = 0.0
-        for stage in sorted({0, pp - 1}):
-            states, gradients = self._stage_floor(point, stage, m, w)
-            chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
-            ckpt = sum(chunks)
-            if vpp > 1 and ckpt:  # as stage_builder averages them
-                counts = interleaved_chunks_in_flight(pp, vpp, m, stage)
-                ckpt = vpp * sum(n * c for n, c in zip(counts, chunks)) / sum(counts)
+        pp = [p["pp"] for p in points]
+        vpp = [knob_value(p, "vpp") if p["pp"] > 1 else 1 for p in points]
+        m = [accumulation(self.workload, p["dp"], p["micro_batch"]) for p in points]
+        least = np.array([self._least_kept(v, w) for v in variants]).reshape(-1, 2)
+        plain, kept = least[:, 0], least[:, 1]
+        per_stage = np.array([layout.layers // n for n in pp])
+        floor = np.zeros(len(points))
+        for stages in ([0] * len(points), [n - 1 for n in pp]):  # the first stage, the last
+            states, gradients = np.array([self._stage_floor(p, stage, n, w) for p, stage, n in zip(points, stages, m)
+                                          ]).reshape(-1, 2).T
+            ckpt = np.array([checkpointed_in_flight(p["ckpt_ratio"], layout.layers, n, stage, v, k)
+                             for p, n, stage, v, k in zip(points, pp, stages, vpp, m)], dtype=float)
             block = (per_stage - ckpt) * plain + ckpt * kept
-            fresh, held = _flights(pp, schedule, stage, m, vpp)
-            moment = max(fresh * block, gradients + held * block) if m > 1 else fresh * block
-            floor = max(floor, states + moment)
-        return int(floor * (1 - 1e-9))  # a margin for the order the full sums add in
+            fresh, held = np.array([_flights(n, p["pipeline_schedule"], stage, k, v)
+                                    for p, n, stage, v, k in zip(points, pp, stages, vpp, m)], dtype=float).reshape(-1, 2).T
+            moment = np.where(np.array(m) > 1, np.maximum(fresh * block, gradients + held * block), fresh * block)
+            floor = np.maximum(floor, states + moment)
+        return np.trunc(floor * (1 - 1e-9)).astype(np.int64).tolist()  # a margin for the order the full sums add in
 
     def _weighted(self, name: str, weights: Mapping[str, float]) -> dict:
         """A cache of values that depend on ``weights`` (emptied when they change)."""
@@ -336,6 +342,12 @@ class CostModel:
     # -------------------------------------------------------------------- time
     def time(self, point: Mapping[str, Any]) -> TimePrediction:
         return predict_time(self.layout, point, self.workload, self.device, self.calibration.time_weights)
+
+    def throughputs(self, points: Sequence[Mapping[str, Any]]):
+        """``time(p).throughput(workload)`` of each of ``points`` (a numpy array), evaluated together."""
+        steps = predict_steps(self.layout, point_columns(points), self.workload, self.device,
+                              self.calibration.time_weights)
+        return samples_per_second(self.workload.global_batch, steps)
 
     def calibrate_time(self, points: Iterable[Mapping[str, Any]], step_seconds: Iterable[float],
                        save: bool = True) -> Calibration:

@@ -37,7 +37,7 @@ from .._atomic import atomic_write_text
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from ..plan import Workload, accumulation, knob_value
 from ..template import Template
-from .hardware import Hardware, _cache_dir
+from .hardware import Hardware, _cache_dir, choose, larger
 
 MEMORY_TERMS = (
     "weights",  # parameters the rank holds between steps (sharded by tp; by dp under zero>=1: fp32 shards)
@@ -721,6 +721,18 @@ def checkpointed_per_stage(ratio: float, total_layers: int, pp: int, vpp: int = 
     return tuple(sum(checkpointed_per_chunk(ratio, total_layers, pp, s, vpp)) for s in range(pp))
 
 
+@functools.lru_cache(maxsize=4096)
+def checkpointed_in_flight(ratio: float, total_layers: int, pp: int, rank: int, vpp: int, micro_batches: int) -> float:
+    """The checkpointed blocks of ``rank`` a micro-batch in flight holds: all of them, or
+    interleaved, averaged over the chunks in flight at the most (:func:`interleaved_chunks_in_flight`)."""
+    chunks = checkpointed_per_chunk(ratio, total_layers, pp, rank, vpp)
+    ckpt = sum(chunks)
+    if vpp > 1 and ckpt:
+        counts = interleaved_chunks_in_flight(pp, vpp, micro_batches, rank)
+        return vpp * sum(n * c for n, c in zip(counts, chunks)) / sum(counts)
+    return ckpt
+
+
 def checkpointed_count(layers_on_stage: int, ratio: float, total_layers: int, pp: int, vpp: int = 1) -> int:
     """The most checkpointed blocks on any stage (the recomputation the slowest stage does)."""
     return max(checkpointed_per_stage(ratio, total_layers, pp, vpp))
@@ -928,11 +940,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # at once), beside every other gradient made
         emb_1 = embedding * Pb * (3 if layout.tied_head and last else 1) if first else 0.0
         ckpt_chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
-        ckpt = sum(ckpt_chunks)
-        if vpp > 1 and ckpt:
-            # a micro-batch's activations, averaged over the chunks in flight at the most
-            counts = interleaved_chunks_in_flight(pp, vpp, m, stage)
-            ckpt = vpp * sum(n * c for n, c in zip(counts, ckpt_chunks)) / sum(counts)
+        ckpt = checkpointed_in_flight(ratio, layout.layers, pp, stage, vpp, m)
         full = per_stage - ckpt
         ends = 0.0
         if first:
@@ -1458,21 +1466,26 @@ class TimePrediction:
 
     def throughput(self, workload: Workload) -> float:
         """Samples per second."""
-        return workload.global_batch / self.step if self.step > 0 else 0.0
+        return float(samples_per_second(workload.global_batch, self.step))
 
 
-def _ring(bytes_: float, n: int, hw: Hardware, kind: str = "all_reduce", stride: int = 1) -> float:
+def samples_per_second(global_batch: int, step: Any) -> Any:
+    """Samples per second of a step of ``step`` seconds (0 where it takes none); elementwise over
+    arrays of points."""
+    return choose(step > 0, global_batch / choose(step > 0, step, 1.0), 0.0)
+
+
+def _ring(bytes_: Any, n: Any, hw: Hardware, kind: str = "all_reduce", stride: Any = 1) -> Any:
     """A ring collective over ``n`` ranks ``stride`` apart (alpha-beta): across nodes once the
-    ring spans more devices than a node holds."""
-    if n <= 1 or bytes_ <= 0:
-        return 0.0
+    ring spans more devices than a node holds. Elementwise over arrays of points (see
+    :func:`time_columns`)."""
     spans = n * stride > hw.devices_per_node
     factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans)
+    return choose((n <= 1) | (bytes_ <= 0), 0.0, steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans))
 
 
-def fsdp_collectives(level: int, micro_batches: int, pp: int, schedule: str) -> tuple[int, int]:
+def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> tuple[Any, Any]:
     """(all-gathers, reduce-scatters) of a stage's parameters per step at ZeRO ``level`` 1-3.
 
     One stage: level 1 gathers once and reduces once per step; level 2 gathers and reduces every
@@ -1480,15 +1493,13 @@ def fsdp_collectives(level: int, micro_batches: int, pp: int, schedule: str) -> 
     pipeline defers reduction and resharding after backward to the step's last backward: level 1
     and 2 gather once; level 3 still reshards after every forward, so each forward gathers and a
     1F1B backward gathers again (GPipe's backwards all follow the last forward: one gathering).
+    Elementwise over arrays of points (the first case that holds, in that order).
     """
     m = micro_batches
-    if level == 1:
-        return 1, 1
-    if pp == 1 or m == 1:
-        return (m, m) if level == 2 else (2 * m, m)
-    if level == 2:
-        return 1, 1
-    return (m + 1 if schedule == "gpipe" else 2 * m), 1
+    one_stage = (pp == 1) | (m == 1)
+    gathers = choose(level == 1, 1, choose(one_stage, choose(level == 2, m, 2 * m),
+                                           choose(level == 2, 1, choose(schedule == "gpipe", m + 1, 2 * m))))
+    return gathers, choose(level == 1, 1, choose(one_stage, m, 1))
 
 
 # Elements a block's non-matmul kernels read and write per token in forward, in Hugging Face's eager
@@ -1514,26 +1525,29 @@ FLASH_EFFICIENCY = 0.75
 
 
 def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, precision: str,
-                  gpu: bool = False) -> float:
+                  gpu: bool = False) -> Any:
     """Elements one block's memory-bound kernels read and write in forward, per token (see
     :data:`NORM_PASSES`); tensor parallelism divides what is inside its regions. On a GPU, SDPA is
     a fused kernel (no score passes); on a CPU it writes scores where the probe found them kept
     in ``precision``. Fusion saves passes on a GPU only: on a CPU the templates fuse with the eager
     backend (inductor would need a C++ toolchain and minutes of compilation per trial), which runs
     the same element-wise operators (measured on the recorded GPT-2 grid: fused / unfused step time
-    1.00 on median over 58 pairs)."""
-    tp = point["tp"]
+    1.00 on median over 58 pairs). Elementwise over arrays of points (:func:`time_columns`)."""
+    tp, attn = point["tp"], point["attn"]
     gated = layout.gated_mlp
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     outside = (2 * NORM_PASSES["rms" if gated else "layer"] + RESIDUAL_PASSES) * layout.hidden
-    inside = ACTIVATION_PASSES[(gated, point["fuse"] if gpu else "off")] * layout.intermediate
+    passes = ACTIVATION_PASSES[(gated, "on")], ACTIVATION_PASSES[(gated, "off")]
+    inside = choose((point["fuse"] == "on") & gpu, *passes) * layout.intermediate
     if gated:
         inside += ROTARY_PASSES * (q + kv)
-    if point["attn"] == "eager" or (not gpu and scores_materialised(layout, point["attn"], precision)):
-        inside += SCORE_PASSES * layout.heads * seq_len
+    kernels = set(attn.tolist()) if isinstance(attn, np.ndarray) else {attn}
+    written = [a for a in kernels if a == "eager" or (not gpu and scores_materialised(layout, a, precision))]
+    scores = np.isin(attn, written) if isinstance(attn, np.ndarray) else attn in written
+    inside += choose(scores, SCORE_PASSES * layout.heads * seq_len, 0)
     # sequence parallelism runs what is outside the regions on a sequence shard
-    sp = tp > 1 and knob_value(point, "sp") == "on"
-    return outside / (tp if sp else 1) + inside / tp
+    sp = (tp > 1) & (point["sp"] == "on")
+    return outside / choose(sp, tp, 1) + inside / tp
 
 
 def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
@@ -1542,20 +1556,43 @@ def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
     return attn == "eager" or layout.score_bytes.get(precision, {}).get(attn, 0.0) > 0
 
 
-def gemm_seconds(hw: Hardware, m: float, k: float, n: float, dtype_bytes: int, ranks: int = 1) -> float:
+def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1) -> Any:
     """One ``m x k @ k x n`` product: a GPU's roofline (FLOPs at its large-GEMM rate, or its
     operands' bytes at memory bandwidth, whichever is longer); a CPU's measured rate by the
     product's rows (:meth:`Hardware.gemm_rate`) on a rank's share of the cores when ``ranks`` run
-    on it at once: ``cores // ranks`` threads each, time-sliced when there are more ranks than cores."""
+    on it at once: ``cores // ranks`` threads each, time-sliced when there are more ranks than cores.
+    Elementwise over arrays of points (:func:`time_columns`)."""
     flops = 2 * m * k * n
     if hw.cores:
-        return flops / hw.gemm_rate(m, max(1, hw.cores // ranks)) * max(1.0, ranks / hw.cores)
+        return flops / hw.gemm_rate(m, larger(1, hw.cores // ranks)) * larger(1.0, ranks / hw.cores)
     traffic = dtype_bytes * (m * k + k * n + m * n)
-    return max(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
+    return larger(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
+
+
+# what the time terms read of a point
+TIME_KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
+              "attn", "fuse")
+
+
+def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """The :data:`TIME_KNOBS` of ``points`` as one array per knob (:func:`time_columns`' input; a
+    point without a knob added since means what it always meant: :data:`~slapo_tune.plan.KNOB_DEFAULTS`)."""
+    points = list(points)
+    return {k: np.array([knob_value(p, k) for p in points]) for k in TIME_KNOBS}
 
 
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
-    """Seconds per step of each time term (before weights).
+    """Seconds per step of each time term (before weights) of one point (:func:`time_columns` of
+    its knobs' values)."""
+    point = {k: knob_value(point, k) for k in TIME_KNOBS}
+    return {k: float(v) for k, v in time_columns(layout, point, workload, hw).items()}
+
+
+def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, Any]:
+    """Seconds per step of each time term (before weights), of one point or of many at once:
+    ``point`` holds a value or one array per knob of :data:`TIME_KNOBS` (:func:`point_columns`);
+    the terms are then arrays of as many elements, each the float operations of that point's own
+    evaluation (branches on the knobs are selections: :func:`~.hardware.choose`).
 
     The slowest stage's ``m + (pp - 1) / vpp`` slots (its micro-batches and the bubble) of:
     ``compute``, its blocks' and head's matrix products (by each product's shape: a GPU's
@@ -1574,18 +1611,22 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     mode = precision(workload.precision)
     tp, pp, dp = point["tp"], point["pp"], point["dp"]
     b, s, B = point["micro_batch"], workload.seq_len, mode.activation_bytes
-    m = accumulation(workload, point["dp"], point["micro_batch"])
-    sp = tp > 1 and knob_value(point, "sp") == "on"
-    selective = knob_value(point, "ckpt_policy") == "selective"
-    vpp = knob_value(point, "vpp") if pp > 1 else 1
+    m = accumulation(workload, dp, b)
+    sp = (tp > 1) & (point["sp"] == "on")
+    selective = point["ckpt_policy"] == "selective"
+    vpp = choose(pp > 1, point["vpp"], 1)
     gpu = not hw.cores
     per_stage = layout.layers // pp
-    ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
+    if isinstance(pp, np.ndarray):  # few distinct (ratio, pp, vpp) of many points
+        ckpt = np.array([checkpointed_count(0, r, layout.layers, n, v) for r, n, v in
+                         zip(point["ckpt_ratio"].tolist(), pp.tolist(), vpp.tolist())], dtype=np.int64)
+    else:
+        ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s
     world = tp * pp * dp
     # CPU: ranks share the cores (threads each, see gemm_seconds) and the memory bandwidth; more
     # ranks than cores time-slice
-    sliced = max(1.0, world / hw.cores) if hw.cores else 1.0
+    sliced = larger(1.0, world / hw.cores) if hw.cores else 1.0
     bandwidth = hw.memory_bandwidth / sliced
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     width = layout.intermediate * (2 if layout.gated_mlp else 1)
@@ -1595,15 +1636,17 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     head_gemm = gemm(tokens, layout.hidden, (layout.pre_sharded if layout.tied_head else layout.post_sharded)
                      / tp / layout.hidden)
     heads = layout.heads / tp
-    if point["attn"] == "sdpa" and gpu:  # a fused kernel: FlashAttention-2 keeps scores on chip, dropout too
-        attn_fwd = 4 * b * heads * s * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY)
-    else:  # QK^T and AV: per head, an s x d @ d x s and an s x s @ s x d product
-        attn_fwd = b * heads * (gemm(s, layout.head_dim, s) + gemm(s, s, layout.head_dim))
-    traffic_fwd = tokens * block_traffic(layout, point, s, workload.precision, gpu) * B / bandwidth if bandwidth else 0.0
+    # SDPA on a GPU: a fused kernel, FlashAttention-2 keeps scores on chip, dropout too; else QK^T
+    # and AV: per head, an s x d @ d x s and an s x s @ s x d product
+    attn_fwd = choose((point["attn"] == "sdpa") & gpu,
+                        4 * b * heads * s * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
+                        b * heads * (gemm(s, layout.head_dim, s) + gemm(s, s, layout.head_dim)))
+    traffic_fwd = (tokens * block_traffic(layout, point, s, workload.precision, gpu) * B / bandwidth
+                   if hw.memory_bandwidth else 0.0)
     # forward and backward (twice the forward), and recomputation: a fully checkpointed block runs
     # its forward again, a selectively checkpointed one all but its matrix products
     passes = 1 + BACKWARD_TRAFFIC
-    compute_mb = 3 * (per_stage * block_gemms + head_gemm) + (0 if selective else ckpt * block_gemms)
+    compute_mb = 3 * (per_stage * block_gemms + head_gemm) + choose(selective, 0, ckpt * block_gemms)
     attention_mb = 3 * per_stage * attn_fwd + ckpt * attn_fwd
     elementwise_mb = passes * per_stage * traffic_fwd + ckpt * traffic_fwd
     # the slowest stage's time slots: its m micro-batches and the pipeline's fill and drain, pp - 1
@@ -1613,15 +1656,15 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     compute, attention, elementwise = slots * compute_mb, slots * attention_mb, slots * elementwise_mb
     # a fixed cost per block and micro-batch, and per two collective calls: tensor parallelism's
     # four all-reduces per block (forward and backward), sequence parallelism's ten (below)
-    calls = (5 if sp else 2) if tp > 1 else 0
+    calls = choose(tp > 1, choose(sp, 5, 2), 0)
     overhead = slots * per_stage * hw.overhead_per_layer * (1 + calls)
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
     # repeat more often
     block_params = layout.block_sharded / tp + layout.block_replicated
     edges = [layout.pre_sharded / tp + layout.pre_replicated, layout.post_sharded / tp + layout.post_replicated]
-    stage_params = per_stage * block_params + (sum(edges) if pp == 1 else max(edges))
-    grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if bandwidth else 0.0
+    stage_params = per_stage * block_params + choose(pp == 1, sum(edges), larger(*edges))
+    grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if hw.memory_bandwidth else 0.0
     act_bytes = tokens * layout.hidden * B
     # forward and backward, two regions per block: all-reduces, or under sequence parallelism as
     # many all-gathers and reduce-scatters, which move the same bytes in as many ring steps where
@@ -1630,49 +1673,56 @@ def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload
     # also keeps a region's input as a shard and gathers it again in backward (at least once per
     # region: separate Q, K and V projections gather it each). Tensor-parallel ranks are adjacent
     # (the mesh is (pp, dp, tp)): inside a node unless tp is larger
-    if sp:
-        scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
-        gather = _ring(act_bytes, tp, hw, "all_gather")
-        tp_comm = slots * per_stage * (6 * gather + 4 * scatter)
-    else:
-        tp_comm = slots * per_stage * 4 * _ring(act_bytes, tp, hw)
+    scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
+    gather = _ring(act_bytes, tp, hw, "all_gather")
+    tp_comm = choose(sp, slots * per_stage * (6 * gather + 4 * scatter), slots * per_stage * 4 * _ring(act_bytes, tp, hw))
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
     # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks
     # apart: across nodes once that fills one. On a GPU the steady state's sends run beside compute;
     # the fill and drain's do not
-    pp_bytes = act_bytes / tp if sp else act_bytes
-    pp_link = hw.inter_bandwidth if gpu and tp * dp >= hw.devices_per_node else hw.intra_bandwidth
+    pp_bytes = choose(sp, act_bytes / tp, act_bytes)
+    pp_link = choose(gpu & (tp * dp >= hw.devices_per_node), hw.inter_bandwidth, hw.intra_bandwidth)
     transfers = 2 * (pp - 1) if gpu else 2 * (vpp * m + pp - 1)
-    pp_comm = transfers * (hw.latency + pp_bytes / pp_link) if pp > 1 else 0.0
+    pp_comm = choose(pp > 1, transfers * (hw.latency + pp_bytes / pp_link), 0.0)
     # data parallelism: level 0 all-reduces the fp32 gradients once per step, after the backward;
     # FSDP all-gathers the parameters in the compute dtype and reduce-scatters fp32 gradients, as
     # often as its level reshards (see memory_terms); a data-parallel group's ranks are tp apart
-    level = point["zero"] if dp > 1 else 0
+    level = choose(dp > 1, point["zero"], 0)
     dp_stride = tp
-    if level == 0:
-        dp_comm = _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride)
-    else:
-        gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
-        gather_s = _ring(stage_params * mode.param_bytes, dp, hw, "all_gather", stride=dp_stride)
-        reduce_s = _ring(stage_params * GRAD_BYTES, dp, hw, "reduce_scatter", stride=dp_stride)
-        dp_comm = gathers * gather_s + reduces * reduce_s
-        if gpu and level >= 2:
-            # FSDP prefetches the next block's gathers and reduces the previous block's gradients on
-            # their own streams: all but one block's first gather and last reduction hide behind
-            # compute, as long as there is compute to hide behind
-            units = max(1, per_stage)
-            exposed = (gather_s + reduce_s) / units
-            dp_comm = max(exposed, dp_comm - (compute + attention + elementwise))
+    gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
+    gather_s = _ring(stage_params * mode.param_bytes, dp, hw, "all_gather", stride=dp_stride)
+    reduce_s = _ring(stage_params * GRAD_BYTES, dp, hw, "reduce_scatter", stride=dp_stride)
+    fsdp = gathers * gather_s + reduces * reduce_s
+    if gpu:
+        # FSDP prefetches the next block's gathers and reduces the previous block's gradients on
+        # their own streams (level 2 and 3): all but one block's first gather and last reduction
+        # hide behind compute, as long as there is compute to hide behind
+        units = larger(1, per_stage)
+        exposed = (gather_s + reduce_s) / units
+        fsdp = choose(level >= 2, larger(exposed, fsdp - (compute + attention + elementwise)), fsdp)
+    dp_comm = choose(level == 0, _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride), fsdp)
     return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
             "grad_accumulation": grad_accumulation, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 
 
+def weighted_time(terms: Mapping[str, Any], weights: Mapping[str, float] | None = None) -> tuple[dict[str, Any], Any]:
+    """The time terms weighted (calibrated weights over the defaults), and their sum: the step's
+    seconds (floats, or arrays of points)."""
+    w = {**DEFAULT_TIME_WEIGHTS, **(weights or {})}
+    breakdown = {k: w[k] * v for k, v in terms.items()}
+    return breakdown, sum(breakdown.values())
+
+
 def predict_time(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
                  weights: Mapping[str, float] | None = None) -> TimePrediction:
-    w = {**DEFAULT_TIME_WEIGHTS, **(weights or {})}
-    terms = time_terms(layout, point, workload, hw)
-    breakdown = {k: w[k] * v for k, v in terms.items()}
-    return TimePrediction(sum(breakdown.values()), breakdown)
+    breakdown, step = weighted_time(time_terms(layout, point, workload, hw), weights)
+    return TimePrediction(step, breakdown)
+
+
+def predict_steps(layout: ModelLayout, points: Mapping[str, np.ndarray], workload: Workload, hw: Hardware,
+                  weights: Mapping[str, float] | None = None) -> np.ndarray:
+    """:func:`predict_time`'s step seconds of many points at once (``points``: :func:`point_columns`)."""
+    return weighted_time(time_columns(layout, points, workload, hw), weights)[1]
 
 
 def model_flops_per_step(layout: ModelLayout, workload: Workload) -> float:

@@ -12,7 +12,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..errors import UsageError
 
@@ -20,6 +22,22 @@ if TYPE_CHECKING:
     from ..device import DeviceSetup
 
 GiB = 2**30
+
+
+# The time model evaluates one point (Python numbers) or many at once (numpy arrays, one element
+# per point) by the same code: its branches on a point's knobs are these selections
+def choose(condition: Any, if_true: Any, if_false: Any) -> Any:
+    """``if_true if condition else if_false``, elementwise where ``condition`` is an array."""
+    if isinstance(condition, np.ndarray):
+        return np.where(condition, if_true, if_false)
+    return if_true if condition else if_false
+
+
+def larger(a: Any, b: Any) -> Any:
+    """``max(a, b)``, elementwise over arrays."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.maximum(a, b)
+    return max(a, b)
 
 
 @dataclass(frozen=True)
@@ -42,19 +60,20 @@ class Hardware:
     memory_bandwidth: float = 0.0  # bytes/s per device for streaming kernels (0: not modelled)
     peak_flops: float = 0.0  # the datasheet's dense peak for the training dtype (MFU's denominator; 0: flops)
 
-    def gemm_rate(self, tokens: float, threads: int = 1) -> float:
+    def gemm_rate(self, tokens: Any, threads: Any = 1) -> Any:
         """Achievable FLOP/s of the GEMMs of a micro-batch of ``tokens`` tokens (on ``threads``
-        threads of a CPU; a GPU is one device)."""
+        threads of a CPU; a GPU is one device); elementwise over arrays of points."""
         half = self.gemm_half_tokens
         if self.cores:
             rate = self.flops * threads
             half *= (threads - 1) / (self.cores - 1) if self.cores > 1 else 0.0
         else:
             rate = self.flops
-        return rate * tokens / (tokens + half) if tokens > 0 else rate
+        return choose(tokens > 0, rate * tokens / choose(tokens > 0, tokens + half, 1.0), rate)
 
-    def bandwidth(self, group_size: int, spans_nodes: bool) -> float:
-        return self.inter_bandwidth if spans_nodes else self.intra_bandwidth
+    def bandwidth(self, group_size: Any, spans_nodes: Any) -> Any:
+        """Per direction, of a group (elementwise over arrays of groups: ``spans_nodes`` may be one)."""
+        return choose(spans_nodes, self.inter_bandwidth, self.intra_bandwidth)
 
     def as_dict(self) -> dict:
         return asdict(self)
