@@ -81,8 +81,16 @@ def _started_with(env: dict[str, str]):
 _PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils")
 
 
+UNIX_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, its NUL excluded)
+
+
 def _start_method(backend: str, fn: Callable[..., Any]):
-    if backend == "nccl" or "forkserver" not in get_all_start_methods():
+    from multiprocessing import util
+
+    # the server listens on a Unix socket named "listener-XXXXXXXX" in multiprocessing's temp dir:
+    # under a deep $TMPDIR that path is too long for AF_UNIX, and ranks are spawned instead
+    socket_path = len(os.path.join(util.get_temp_dir(), "listener-XXXXXXXX"))
+    if backend == "nccl" or "forkserver" not in get_all_start_methods() or socket_path > UNIX_SOCKET_PATH_MAX:
         return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, __name__, fn.__module__])  # read when the server starts
@@ -92,6 +100,7 @@ def _start_method(backend: str, fn: Callable[..., Any]):
 def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s, cores=None):
     os.setpgrp()  # our own process group: killing it takes any helper processes with it
     _die_with_parent()
+    _exit_with_launcher(conn)
     if cores:
         os.sched_setaffinity(0, cores)
     # the launcher's environment at this launch, not the fork server's from its first launch
@@ -135,6 +144,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux/glibc: the parent's cleanup still applies
         pass
+
+
+def _exit_with_launcher(conn) -> None:
+    """End this rank (its process group) once the launcher's end of the result pipe is closed: the
+    launcher died (or is done and kills its ranks anyway). A forked rank's parent is the fork
+    server, which outlives a SIGKILLed launcher while any rank holds its lifeline, so the kernel's
+    parent-death signal alone would leave the ranks running."""
+    import select
+
+    def watch() -> None:
+        gone = select.poll()
+        gone.register(conn.fileno(), select.POLLERR | select.POLLHUP)  # a pipe's write end: no reader left
+        while True:
+            events = [event for _, event in gone.poll()]
+            if any(event & select.POLLNVAL for event in events):  # this rank closed it: it is ending
+                return
+            if events:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="slapo-launcher-watch", daemon=True).start()
 
 
 OOM_TYPES = ("OutOfMemoryError", "MemoryBudgetExceeded")  # what a trial records as ``oom``

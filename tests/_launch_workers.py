@@ -44,3 +44,9 @@ def different_inputs(ctx):
     except st.VerificationError as exc:
         return str(exc)
     return "no error"
+
+
+def write_pid_and_hang(ctx, folder):
+    with open(os.path.join(folder, f"rank-{ctx.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)

@@ -58,3 +58,47 @@ def test_a_killed_rank_is_a_crash(no_leftover_children):
 def test_verify_refuses_different_inputs_per_rank(no_leftover_children):
     messages = launch(w.different_inputs, 2, timeout=120)
     assert all("the ranks were given different inputs" in m for m in messages)
+
+
+def test_ranks_end_when_the_launcher_is_sigkilled(tmp_path):
+    """A SIGKILLed launcher (a killed tuner or training job) leaves no rank running, although a
+    forked rank's parent is the fork server, not the launcher."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys\nif __name__ == '__main__':\n    sys.path.insert(0, sys.argv[1])\n"
+              "    import _launch_workers as w\n    from slapo_tune.launch import launch\n"
+              "    launch(w.write_pid_and_hang, 2, args=(sys.argv[2],), timeout=600)\n")
+    (tmp_path / "launcher.py").write_text(script)
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), os.path.dirname(__file__),
+                                 str(tmp_path)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank-*"))) < 2 or any(not p.read_text() for p in tmp_path.glob("rank-*")):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(p.read_text()) for p in tmp_path.glob("rank-*")]
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    finally:
+        launcher.kill()
+        launcher.wait()
+    for pid in left:  # ended here, by PID, if the launcher's death did not end them
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"ranks {left} outlived their launcher"
+
+
+def test_ranks_are_spawned_where_the_fork_servers_socket_path_would_be_too_long(monkeypatch):
+    import multiprocessing.util
+
+    import slapo_tune.launch as launch_module
+
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/tmp/" + "d" * 80)
+    assert launch_module._start_method("gloo", w.echo).get_start_method() == "forkserver"
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/tmp/" + "d" * 90)  # + 18: over 107
+    assert launch_module._start_method("gloo", w.echo).get_start_method() == "spawn"
