@@ -33,7 +33,18 @@ from ..space import Point, Space, point_key
 from ._known import Known, KnownReader
 
 
-class LegalDomains(optuna.samplers.BaseSampler):
+class _PerKnob(optuna.samplers.BaseSampler):
+    """A sampler that answers knob by knob (``sample_independent``) and samples nothing jointly."""
+
+    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study: Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return {}
+
+
+class LegalDomains(_PerKnob):
     """The sampler a study asks, around a strategy. Each knob is one Optuna parameter whose
     distribution is every value the knob takes anywhere in the space (:meth:`Space.domain`), while
     the values legal at a trial depend on its earlier knobs (``pp`` must divide ``world / tp``). A
@@ -47,13 +58,6 @@ class LegalDomains(optuna.samplers.BaseSampler):
     def __init__(self, strategy: optuna.samplers.BaseSampler, space: Space, seed: int = 0) -> None:
         self.strategy, self.space = strategy, space
         self._rng = np.random.RandomState(seed)
-
-    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        return {}
-
-    def sample_relative(self, study: Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        return {}
 
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
@@ -94,7 +98,7 @@ class RandomSearch(_ChoosesFreely, optuna.samplers.RandomSampler):
     """Optuna's random sampler."""
 
 
-class OrderedSampler(optuna.samplers.BaseSampler):
+class OrderedSampler(_PerKnob):
     """Proposes the first point of :meth:`ordering` that is neither told nor running (subclasses
     may instead override :meth:`next_point`)."""
 
@@ -125,14 +129,7 @@ class OrderedSampler(optuna.samplers.BaseSampler):
             self._next = (version, self.next_point(known))
         return self._next[1]
 
-    # ---------------------------------------------------------------- Optuna's sampler interface
-    def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        return {}
-
-    def sample_relative(self, study: Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        return {}
-
+    # ---------------------------------------------------------------- Optuna's sampler interface (per knob)
     def sample_independent(self, study: Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
         if self._asked is None or self._asked[0] != trial.number:  # the trial's first knob: choose its point
