@@ -89,8 +89,8 @@ def _start_method(backend: str, fn: Callable[..., Any]):
 
     # the server listens on a Unix socket named "listener-XXXXXXXX" in multiprocessing's temp dir:
     # under a deep $TMPDIR that path is too long for AF_UNIX, and ranks are spawned instead
-    socket_path = len(os.path.join(util.get_temp_dir(), "listener-XXXXXXXX"))
-    if backend == "nccl" or "forkserver" not in get_all_start_methods() or socket_path > UNIX_SOCKET_PATH_MAX:
+    socket_path_length = len(os.path.join(util.get_temp_dir(), "listener-XXXXXXXX"))
+    if backend == "nccl" or "forkserver" not in get_all_start_methods() or socket_path_length > UNIX_SOCKET_PATH_MAX:
         return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, __name__, fn.__module__])  # read when the server starts
