@@ -8,6 +8,7 @@ import argparse
 import functools
 import json
 
+import numpy as np
 import pytest
 
 from slapo_tune.cli import main
@@ -126,7 +127,8 @@ def test_points_differing_in_what_the_stages_read_are_evaluated_apart(monkeypatc
 
     def reading_fusion(layout, point, *args, **kwargs):
         terms = stage_builder(layout, point, *args, **kwargs)
-        extra = 4 * 2**30 if point["fuse"] == "on" else 0
+        fuse = point["fuse"]  # an array where the stages of many points are built at once
+        extra = np.where(fuse == "on", 4 * 2**30, 0) if isinstance(fuse, np.ndarray) else 4 * 2**30 * (fuse == "on")
 
         def stage_terms(stage):
             st = terms(stage)

@@ -79,15 +79,17 @@ _LAZY = 2  # _Found.pruned_rows: the entry stands for several points' (after a p
 def _subtree_entries(space, prefix: dict, first: int, bound: int):
     """A function of the cost model and budget listing the ``_Found.pruned_rows`` entries of the
     points of ``prefix`` (indices from ``first``, peaks at least ``bound``), each bounded by the
-    larger of ``bound`` and the stages :meth:`CostModel.quick_verdicts` reads."""
+    larger of ``bound`` and the stages :meth:`CostModel.group_verdicts` reads."""
     from ..plan import KNOB_DEFAULTS
 
     def entries(model, budget: int) -> list[tuple[int, int, bool, Any]]:
         raws = list(space.enumerate(prefix))
         points = [{**KNOB_DEFAULTS, **raw} for raw in raws]
         bounds = [bound] * len(points)
-        for members in _groups(points, range(len(points))).values():
-            _, peaks = model.quick_verdicts(points[members[0]], [points[i] for i in members], budget)
+        groups = list(_groups(points, range(len(points))).values())
+        verdicts = model.group_verdicts([(points[members[0]], [points[i] for i in members]) for members in groups],
+                                        budget)
+        for members, (_, peaks) in zip(groups, verdicts):
             for i, peak in zip(members, peaks):
                 bounds[i] = max(bound, peak)
         return [(b, first + i, True, raw) for i, (b, raw) in enumerate(zip(bounds, raws))]
@@ -95,10 +97,10 @@ def _subtree_entries(space, prefix: dict, first: int, bound: int):
     return entries
 
 
-def _group_entries(pruned: list[tuple[int, int, dict, dict]]):
-    """A function listing the ``_Found.pruned_rows`` entries of ``pruned``'s (bound, index, a stem's
-    knobs, the tail's)."""
-    return lambda model, budget: [(bound, index, True, {**stem, **tail}) for bound, index, stem, tail in pruned]
+def _listed_entries(bounds, indices, knobs_of, members):
+    """A function listing the ``_Found.pruned_rows`` entries of the points ``members`` (positions in
+    ``bounds`` and ``indices``; their knobs by ``knobs_of``)."""
+    return lambda model, budget: [(int(bounds[v]), int(indices[v]), True, knobs_of(v)) for v in members.tolist()]
 
 
 def _stem_entries(stems: list[tuple[int, dict, Any]], tail: list[dict], bound: int):
@@ -150,18 +152,18 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     * the other points are listed up to the trailing knobs of fixed domains that change only what a
       block keeps (attn, fuse): each such stem stands for their product;
     * points that differ only in what a block keeps (sp, ckpt_policy, attn, fuse) form a group: a
-      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floor`, a
-      block's groups at once) is pruned unevaluated; the others are evaluated together, stage by stage, stopping once none can
-      fit (:meth:`CostModel.quick_verdicts`, which evaluates apart what its stages tell apart);
+      group whose model states and activations alone cannot fit (:meth:`CostModel.group_floors`)
+      is pruned unevaluated; the others are evaluated together, every group at once
+      (:meth:`CostModel.group_verdicts`, which evaluates apart what its stages tell apart);
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
     * step time only for the points that fit (every knob may change it), all at once
-      (:meth:`CostModel.throughputs`); full rows only for the
-      shown ones: the best points that fit (predicted to fit first, then by throughput, then in
-      space order) and the first pruned ones; the pruned ones of smallest peak when asked
-      (:meth:`_Found.smallest`).
+      (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best points
+      that fit (predicted to fit first, then by throughput, then in space order) and the first
+      pruned ones; the pruned ones of smallest peak when asked (:meth:`_Found.smallest`).
     """
     import numpy as np
 
+    from ..cost_model import Variants
     from ..cost_model.analytic import optimistic
     from ..plan import KNOB_DEFAULTS, Plan
 
@@ -188,13 +190,13 @@ def _search(model, problem, budget: int, top: int) -> _Found:
 
     checked: set[tuple] = set()
     floors: dict[tuple, int] = {}
-    fits: list[tuple[bool, int, dict]] = []  # (above the budget, index, knobs) of the points that fit
-    fitting: list[dict] = []  # and their complete points
-    examples: list[tuple[int, dict]] = []  # (index, knobs) of the first pruned points
+    stems: list[tuple[int, dict, dict]] = []  # (first index, knobs, complete but the tail) to evaluate
+    groups: list[list[int]] = []  # stems (indices in ``stems``) evaluated together
+    firsts: list[tuple[int, dict, dict]] = []  # (index, knobs but the tail, tail) of pruned points: the first ones among them
+    pruned_before = 0  # points pruned with their layout in earlier blocks: from ``top`` on, no later one comes first
     index = 0
     for block in space.prefixes(block_depth):
-        stems: list[tuple[int, dict, dict]] = []  # (first index, knobs, complete but the tail) to evaluate
-        firsts: list[tuple[int, dict]] = []  # (index, knobs) of this block's first pruned points
+        start, pruned_here = len(stems), 0
         for sub in space.prefixes(depth, block):
             listed = stems_of(sub)
             head = next(listed, None)
@@ -214,48 +216,63 @@ def _search(model, problem, budget: int, top: int) -> _Found:
                 n = space.completions(sub)
                 found.pruned_rows.append((bound, index, _LAZY, _subtree_entries(space, sub, index, bound)))
                 found.pruned += n
-                if len(examples) < top:
-                    firsts.extend(zip(itertools.count(index), itertools.islice(space.enumerate(sub), top)))
+                if pruned_before < top:
+                    firsts += [(i, raw, {}) for i, raw in zip(itertools.count(index), itertools.islice(space.enumerate(sub), top))]
+                pruned_here += n
                 index += n
                 continue
             for stem in itertools.chain((head,), listed):
                 stems.append((index, stem, {**KNOB_DEFAULTS, **stem}))
                 index += width
-        groups = list(_groups([point for *_, point in stems], range(len(stems))).values())
-        group_variants = [[{**stems[s][2], **combo} for s in group for combo in combos] for group in groups]
-        group_floors = model.group_floors([variants[0] for variants in group_variants], group_variants, weights)
-        for group, variants, floor in zip(groups, group_variants, group_floors):
-            if optimistic(floor, uncertainty) > budget:  # none fits: pruned together, unlisted
-                members = [stems[s] for s in group]
-                found.pruned += len(variants)
-                found.pruned_rows.append((floor, members[0][0], _LAZY, _stem_entries(members, combos, floor)))
-                if len(examples) < top:
-                    firsts.extend(itertools.islice(((i + c, {**stem, **rest}) for i, stem, _ in members
-                                                    for c, rest in enumerate(combos)), top))
-                continue
-            oks, peaks = model.quick_verdicts(variants[0], variants, budget, weights)
-            pruned: list[tuple[int, int, dict, dict]] = []  # (bound, index, stem's knobs, tail)
-            for v, (ok, peak) in enumerate(zip(oks, peaks)):
-                s, c = divmod(v, width)
-                i, stem, _ = stems[group[s]]
-                if ok:
-                    fits.append((peak > budget, i + c, {**stem, **combos[c]}))
-                    fitting.append(variants[v])
-                else:
-                    pruned.append((peak, i + c, stem, combos[c]))
-            if pruned:
-                found.pruned += len(pruned)
-                found.pruned_rows.append((*min(p[:2] for p in pruned), _LAZY, _group_entries(pruned)))
-                if len(examples) < top:
-                    firsts.extend((i, {**stem, **rest}) for _, i, stem, rest in pruned[:top])
-        if len(examples) < top:  # blocks come in space order; a block's points in any
-            examples += sorted(firsts, key=operator.itemgetter(0))[:top - len(examples)]
-    found.points, found.feasible = index, len(fits)
-    found.examples = [_row(model, Plan.of(raw, workload), budget) for _, raw in examples]
-    # the points that fit, evaluated together: predicted to fit first, then by throughput, then in space order
-    throughputs = model.throughputs(fitting)
-    best = np.lexsort((np.array([f[1] for f in fits]), -throughputs, np.array([f[0] for f in fits], dtype=bool)))
-    found.rows = [_row(model, Plan.of(fits[j][2], workload), budget) for j in best[:top].tolist()]
+        pruned_before += pruned_here
+        groups += [[start + s for s in group]
+                   for group in _groups([point for *_, point in stems[start:]], range(len(stems) - start)).values()]
+    found.points = index
+    # groups whose model states and activations alone cannot fit: pruned together, unlisted
+    variants = [Variants({**stems[s][2], **combo} for s in group for combo in combos) for group in groups]
+    evaluated = []  # indices in ``groups``
+    for g, floor in enumerate(model.group_floors([v[0] for v in variants], variants, weights)):
+        if optimistic(floor, uncertainty) > budget:
+            members = [stems[s] for s in groups[g]]
+            found.pruned += len(variants[g])
+            found.pruned_rows.append((floor, members[0][0], _LAZY, _stem_entries(members, combos, floor)))
+            firsts += itertools.islice(((i + c, stem, rest) for i, stem, _ in members for c, rest in enumerate(combos)), top)
+        else:
+            evaluated.append(g)
+    verdicts = model.group_verdicts([(variants[g][0], variants[g]) for g in evaluated], budget, weights, _BLOCK_KNOBS)
+    # every evaluated point as flat arrays: verdict, peak, stem, tail (in ``combos``), index, group
+    chain = itertools.chain.from_iterable
+    oks = np.fromiter(chain(oks for oks, _ in verdicts), dtype=bool)
+    peaks = np.fromiter(chain(peaks for _, peaks in verdicts), dtype=np.int64)
+    stem_of = np.repeat(np.fromiter(chain(groups[g] for g in evaluated), dtype=np.int64), width)
+    tail_of = np.tile(np.arange(width), len(stem_of) // width)
+    index_of = np.array([i for i, *_ in stems], dtype=np.int64)[stem_of] + tail_of if stems else stem_of
+    group_of = np.repeat(np.arange(len(evaluated)), [len(groups[g]) * width for g in evaluated])
+
+    def knobs_of(v: int) -> dict:
+        return {**stems[stem_of[v]][1], **combos[tail_of[v]]}
+
+    pruned = np.flatnonzero(~oks)
+    found.pruned += len(pruned)
+    # per group, its pruned points' smallest (bound, index), and their entries, listed when asked
+    pruned = pruned[np.lexsort((index_of[pruned], peaks[pruned], group_of[pruned]))]
+    for members in np.split(pruned, np.flatnonzero(np.diff(group_of[pruned])) + 1) if len(pruned) else ():
+        first = members[0]
+        found.pruned_rows.append((int(peaks[first]), int(index_of[first]), _LAZY,
+                                  _listed_entries(peaks, index_of, knobs_of, members)))
+    firsts += [(int(index_of[v]), knobs_of(v), {}) for v in pruned[np.argsort(index_of[pruned], kind="stable")[:top]].tolist()]
+    found.examples = [_row(model, Plan.of({**raw, **tail}, workload), budget)
+                      for _, raw, tail in sorted(firsts, key=operator.itemgetter(0))[:top]]
+    # the points that fit, their knobs as columns: predicted to fit first, then by throughput, then in space order
+    fit = np.flatnonzero(oks)
+    found.feasible = len(fit)
+    used, inverse = np.unique(stem_of[fit], return_inverse=True)
+    columns = {k: np.array([c[k] for c in combos])[tail_of[fit]] if k in combos[0] else
+               np.array([stems[s][2][k] for s in used.tolist()])[inverse.reshape(-1)] for k in {**stems[0][2], **combos[0]}
+               } if len(fit) else {}
+    throughputs = model.column_throughputs(columns) if len(fit) else np.zeros(0)
+    best = np.lexsort((index_of[fit], -throughputs, peaks[fit] > budget))
+    found.rows = [_row(model, Plan.of(knobs_of(v), workload), budget) for v in fit[best[:top]].tolist()]
     return found
 
 

@@ -24,8 +24,10 @@ from .analytic import (
     MemoryPrediction,
     ModelLayout,
     TimePrediction,
+    _each,
     _flights,
     block_activations,
+    by_branches,
     checkpointed_in_flight,
     dominant_stages,
     layout_of,
@@ -69,6 +71,13 @@ class Verdict:
     reason: str = ""
 
 
+class Variants(list):
+    """A group's variants (points that differ only in what a block keeps) that remember what
+    :func:`~.analytic.block_activations` reads of them once it is computed."""
+
+    acts_key: tuple | None = None
+
+
 class CostModel:
     """Memory and time predictions for one problem (model, template, workload) on one device."""
 
@@ -97,60 +106,123 @@ class CostModel:
                        weights: Mapping[str, float] | None = None) -> tuple[list[bool], list[int]]:
         """``verdict(v, budget).fits`` of each of ``variants`` without the rest of :meth:`memory`,
         and a peak: where it fits, one that is above ``budget`` exactly where the predicted peak
-        is; where not, a lower bound of the predicted peak. The stages that can hold the peak are
-        read one at a time, stopping once none fits. ``variants`` are points that differ from
+        is; where not, a lower bound of the predicted peak. ``variants`` are points that differ from
         ``point`` only in what a block keeps (sequence parallelism, checkpoint policy, attention
         kernel, fusion: the knobs only :func:`~.analytic.block_activations` reads), evaluated
-        together: each event's total as the product of the terms' multiples of what a block keeps
-        (:func:`~.analytic.linear_terms`, the knobs read once for all) with each variant's
+        together: :meth:`group_verdicts` of one group."""
+        return self.group_verdicts([(point, variants)], budget, weights)[0]
+
+    def group_verdicts(self, groups: Sequence[tuple[Mapping[str, Any], list[Mapping[str, Any]]]], budget: int,
+                       weights: Mapping[str, float] | None = None, differ: Iterable[str] | None = None
+                       ) -> list[tuple[list[bool], list[int]]]:
+        """:meth:`quick_verdicts` of each ``(point, variants)`` of ``groups``, all evaluated at once.
+
+        Each event's total is the product of the terms' multiples of what a block keeps
+        (:func:`~.analytic.linear_terms`, the knobs read once for a group) with each variant's
         (:class:`~.analytic.LinearFeatures`): the predicted peak's products added in another
         order, within 1e-9 of the total (of the sum of the terms' magnitudes, where one is
-        negative) of it. Where that margin leaves a verdict or the side of the budget open, or a
-        feature is negative or a term unknown: as :meth:`memory` adds them."""
+        negative) of it. The multiples of every group's stages that can hold the peak
+        (:func:`~.analytic.dominant_stages`) are one batch of rows, the knobs array columns
+        (:func:`~.analytic.stage_builder`, rows that branch apart run apart). Variants that differ
+        from their point in a knob the stages read are evaluated apart; where the margin leaves a
+        verdict or the side of the budget open, or a feature is negative or a term unknown: as
+        :meth:`memory` adds them. ``differ``: the only knobs in which any variant may differ from its
+        point, where the caller knows them (else each variant is compared)."""
+        w = weights if weights is not None else self._weights()
+        results: list[tuple[list[bool], list[int]] | None] = [None] * len(groups)
+        batches: dict[tuple, list[int]] = {}  # groups by their points' knobs (the columns)
+        matrices = [self._feature_matrix(variants) for _, variants in groups]
+        for g, (point, variants) in enumerate(groups):
+            if matrices[g] is None:
+                results[g] = self._exact_verdicts(point, variants, budget, w)
+            else:
+                batches.setdefault(tuple(point), []).append(g)
+        for members in batches.values():
+            verdicts = self._linear_verdicts([groups[g] for g in members], [matrices[g] for g in members], budget, w,
+                                             None if differ is None else set(differ))
+            for g, result in zip(members, verdicts):
+                results[g] = result
+        return results  # type: ignore[return-value]
+
+    def _linear_verdicts(self, groups: list[tuple[Mapping[str, Any], list[Mapping[str, Any]]]], matrices: list,
+                         budget: int, w: Mapping[str, float], differ: set[str] | None
+                         ) -> list[tuple[list[bool], list[int]]]:
+        """:meth:`group_verdicts` of groups whose points have the same knobs, their variants'
+        features known (``matrices``: :meth:`_feature_matrix`)."""
         import numpy as np
 
-        w = weights if weights is not None else self._weights()
-        features = self._feature_matrix(variants)
-        if features is None:
-            return self._exact_verdicts(point, variants, budget, w)
-        keep = 1 - self.calibration.uncertainty
-        reads = _Reads(point)  # what the stages read of the knobs (besides what a block keeps)
-        stage_terms = stage_builder(self.layout, reads, self.workload, self.backend, linear=True)
-        totals = np.full(len(variants), -np.inf)
-        sizes = np.zeros(len(variants))  # the largest sum of the magnitudes of an event's terms, where one is negative
-        for stage in dominant_stages(self.layout, reads):
-            events = linear_terms(stage_terms(stage), w)
+        points = [point for point, _ in groups]
+        stages = [dominant_stages(self.layout, point) for point in points]
+        per_group = [len(s) for s in stages]
+        row_group = np.repeat(np.arange(len(groups)), per_group)
+        columns = {k: np.repeat(np.array([p[k] for p in points]), per_group) for k in points[0]}
+        columns[_STAGE] = np.array([s for per_group in stages for s in per_group])
+        read = {"pp", "ckpt_ratio", "vpp"}  # what dominant_stages reads
+
+        def run(batch: dict[str, Any]):
+            reads = _Reads({k: v for k, v in batch.items() if k != _STAGE})
+            st = stage_builder(self.layout, reads, self.workload, self.backend, linear=True)(batch[_STAGE])
+            read.update(reads.read)
+            return linear_terms(st, w, len(batch[_STAGE]))
+
+        width = max(m.shape[1] for m in matrices)
+        features = np.zeros((len(groups), matrices[0].shape[0], width))
+        for g, m in enumerate(matrices):
+            features[g, :, :m.shape[1]] = m
+        counts = np.array([m.shape[1] for m in matrices])
+        valid = np.arange(width) < counts[:, None]  # the padding of groups of fewer variants: not evaluated
+        totals = np.where(valid, -np.inf, 0.0)
+        sizes = np.zeros((len(groups), width))  # the largest sum of the magnitudes of an event's terms, where one is negative
+        unknown = np.zeros(len(groups), dtype=bool)  # a term without a feature
+        for rows, events in by_branches(columns, run):
+            where = row_group[rows]
             if events is None:
-                return self._exact_verdicts(point, variants, budget, w)
+                unknown[where] = True
+                continue
             events, magnitudes = events
-            totals = np.maximum(totals, (events @ features).max(axis=0))
+            np.maximum.at(totals, where, np.matmul(events, features[where]).max(axis=1))
             if magnitudes is not None:
-                sizes = np.maximum(sizes, (magnitudes @ features).max(axis=0))
-            low = float((totals - (1e-9 * np.maximum(np.abs(totals), sizes) + 2)).min())
-            if int(int(low) * keep) > budget:  # none fits (the margin as below)
-                break
-        apart = _apart(reads, point, variants)
-        if apart is not None:
-            return _merged(apart, lambda members: self.quick_verdicts(members[0], members, budget, w))
+                np.maximum.at(sizes, where, np.matmul(magnitudes, features[where]).max(axis=1))
         # the predicted peak (an int) is between these: the verdict and the side of the budget
         # are known where both ends agree (the optimistic end of each, as optimistic() takes it)
         # (int() truncates; np.trunc of these floats, far below 2**53, is the same whole number)
+        keep = 1 - self.calibration.uncertainty
         margin = 1e-9 * np.maximum(np.abs(totals), sizes) + 2
         low, high = np.trunc(totals - margin), np.trunc(totals + margin)
         pruned = np.trunc(low * keep) > budget
-        open_ = (pruned != (np.trunc(high * keep) > budget)) | (~pruned & ((low > budget) != (high > budget)))
-        oks, peaks, where = (~pruned).tolist(), low.astype(np.int64).tolist(), np.flatnonzero(open_).tolist()
-        if where:
-            for i, ok, peak in zip(where, *self._exact_verdicts(point, [variants[i] for i in where], budget, w)):
-                oks[i], peaks[i] = ok, peak
-        return oks, peaks
+        open_ = valid & ((pruned != (np.trunc(high * keep) > budget)) | (~pruned & ((low > budget) != (high > budget))))
+        opened = set(np.flatnonzero(open_.any(axis=1)).tolist())
+        all_oks, all_peaks = (~pruned).tolist(), low.astype(np.int64).tolist()
+        results, apart = [], {}
+        for g, (point, variants) in enumerate(groups):
+            parts = None if differ is not None and not read & differ else _apart(read, point, variants)
+            if parts is not None:  # the stages read a knob in which the variants differ
+                apart[g] = parts
+                results.append(None)
+                continue
+            if unknown[g]:
+                results.append(self._exact_verdicts(point, variants, budget, w))
+                continue
+            n = len(variants)
+            oks, peaks = all_oks[g][:n], all_peaks[g][:n]
+            where = np.flatnonzero(open_[g, :n]).tolist() if g in opened else []
+            if where:
+                for i, ok, peak in zip(where, *self._exact_verdicts(point, [variants[i] for i in where], budget, w)):
+                    oks[i], peaks[i] = ok, peak
+            results.append((oks, peaks))
+        if apart:
+            parts = [part for g in apart for part in apart[g].values()]
+            verdicts = iter(self.group_verdicts([(members[0], members) for _, members in parts], budget, w))
+            for g in apart:
+                results[g] = _merged(apart[g], lambda members: next(verdicts))
+        return results
 
     def _feature_matrix(self, variants: list[Mapping[str, Any]]):
         """The (features, variants) matrix of ``variants``' :class:`~.analytic.LinearFeatures`, or
         None where one is negative; once per the knobs :func:`~.analytic.block_activations` reads."""
         import numpy as np
 
-        key = tuple(map(self._acts_key, variants))
+        key = self._variants_key(variants)
         cache = self.__dict__.setdefault("_feature_matrices", {})
         if key not in cache:
             matrix = np.array([self._features(v) for v in variants]).T.copy()
@@ -173,10 +245,20 @@ class CostModel:
             peaks = [max(p, int(t)) for p, t in zip(peaks, totals)]
             if all(optimistic(p, uncertainty) > budget for p in peaks):
                 break
-        apart = _apart(reads, point, variants)
+        apart = _apart(reads.read, point, variants)
         if apart is not None:
             return _merged(apart, lambda members: self._exact_verdicts(members[0], members, budget, weights))
         return [not optimistic(p, uncertainty) > budget for p in peaks], peaks
+
+    def _variants_key(self, variants: list[Mapping[str, Any]]) -> tuple:
+        """What :func:`~.analytic.block_activations` reads of each of ``variants`` (remembered by a
+        :class:`Variants` list: a group's floor and its verdicts read it)."""
+        key = getattr(variants, "acts_key", None)
+        if key is None:
+            key = tuple(map(self._acts_key, variants))
+            if isinstance(variants, Variants):
+                variants.acts_key = key
+        return key
 
     @staticmethod
     def _acts_key(point: Mapping[str, Any]) -> tuple:
@@ -240,25 +322,24 @@ class CostModel:
         from ..plan import accumulation
 
         w = weights if weights is not None else self._weights()
-        if min(w.values()) < 0:
+        if min(w.values()) < 0 or not points:
             return [0] * len(points)
         layout = self.layout
-        pp = [p["pp"] for p in points]
-        vpp = [knob_value(p, "vpp") if p["pp"] > 1 else 1 for p in points]
-        m = [accumulation(self.workload, p["dp"], p["micro_batch"]) for p in points]
+        pp = np.array([p["pp"] for p in points])
+        vpp = np.array([knob_value(p, "vpp") if p["pp"] > 1 else 1 for p in points])
+        m = np.array([accumulation(self.workload, p["dp"], p["micro_batch"]) for p in points])
+        ratio = np.array([p["ckpt_ratio"] for p in points])
+        schedule = np.array([p["pipeline_schedule"] for p in points])
         least = np.array([self._least_kept(v, w) for v in variants]).reshape(-1, 2)
         plain, kept = least[:, 0], least[:, 1]
-        per_stage = np.array([layout.layers // n for n in pp])
+        per_stage = layout.layers // pp
         floor = np.zeros(len(points))
-        for stages in ([0] * len(points), [n - 1 for n in pp]):  # the first stage, the last
-            states, gradients = np.array([self._stage_floor(p, stage, n, w) for p, stage, n in zip(points, stages, m)
-                                          ]).reshape(-1, 2).T
-            ckpt = np.array([checkpointed_in_flight(p["ckpt_ratio"], layout.layers, n, stage, v, k)
-                             for p, n, stage, v, k in zip(points, pp, stages, vpp, m)], dtype=float)
+        for stages in (np.zeros_like(pp), pp - 1):  # the first stage, the last
+            states, gradients = self._stage_floors(points, stages.tolist(), w).T
+            ckpt = _each(checkpointed_in_flight, ratio, layout.layers, pp, stages, vpp, m).astype(float)
             block = (per_stage - ckpt) * plain + ckpt * kept
-            fresh, held = np.array([_flights(n, p["pipeline_schedule"], stage, k, v)
-                                    for p, n, stage, v, k in zip(points, pp, stages, vpp, m)], dtype=float).reshape(-1, 2).T
-            moment = np.where(np.array(m) > 1, np.maximum(fresh * block, gradients + held * block), fresh * block)
+            fresh, held = (a.astype(float) for a in _each(_flights, pp, schedule, stages, m, vpp))
+            moment = np.where(m > 1, np.maximum(fresh * block, gradients + held * block), fresh * block)
             floor = np.maximum(floor, states + moment)
         return np.trunc(floor * (1 - 1e-9)).astype(np.int64).tolist()  # a margin for the order the full sums add in
 
@@ -273,7 +354,7 @@ class CostModel:
         """The least any of ``variants``' blocks keeps, weighted: not checkpointed, and checkpointed
         (its input; selective: and its matmul outputs)."""
         cache = self._weighted("least_kept", weights)
-        key = tuple(map(self._acts_key, variants))
+        key = self._variants_key(variants)
         if key not in cache:
             w = weights
             acts = [self._block_activations(v) for v in variants]
@@ -282,20 +363,39 @@ class CostModel:
                           min(w["act_checkpointed"] * a.input + w["act_selective"] * a.selective for a in acts))
         return cache[key]
 
-    def _stage_floor(self, point: Mapping[str, Any], stage: int, micro_batches: int,
-                     weights: Mapping[str, float]) -> tuple[float, float]:
-        """A stage's weighted model states (as :meth:`layout_floor`) and, accumulating, the
-        gradients its loss moment holds: once per layout, micro-batch size, stage and vpp."""
+    def _stage_floors(self, points: Sequence[Mapping[str, Any]], stages: Sequence[int],
+                      weights: Mapping[str, float]):
+        """Each point's stage's weighted model states (as :meth:`layout_floor`) and, accumulating,
+        the gradients its loss moment holds (an (n, 2) array): once per layout, micro-batch size,
+        stage and vpp, the missing ones evaluated together (:func:`~.analytic.stage_builder`'s
+        columns; neither reads what a block keeps)."""
+        import numpy as np
+
         cache = self._weighted("stage_floor", weights)
         # vpp: an interleaved stage with no steady state accumulates less at its loss (stage_builder)
-        key = (point["tp"], point["pp"], point["dp"], point["zero"], point["micro_batch"], stage,
-               knob_value(point, "vpp") if point["pp"] > 1 else 1)
-        if key not in cache:
-            st = stage_builder(self.layout, point, self.workload, self.backend)(stage)
-            loss = st.moments.get("loss", {}) if micro_batches > 1 else {}
-            cache[key] = (sum(weights[k] * st.base.get(k, 0.0) for k in ("weights", "master", "optimizer", "constant")),
-                          weights["gradients"] * loss.get("gradients", 0.0))
-        return cache[key]
+        keys = [(p["tp"], p["pp"], p["dp"], p["zero"], p["micro_batch"], stage,
+                 knob_value(p, "vpp") if p["pp"] > 1 else 1) for p, stage in zip(points, stages)]
+        missing: dict[tuple, tuple[Mapping[str, Any], int]] = {}
+        for key, p, stage in zip(keys, points, stages):
+            if key not in cache and key not in missing:
+                missing[key] = (p, stage)
+        if missing:
+            todo = list(missing.values())
+            columns = {k: np.array([knob_value(p, k) for p, _ in todo]) for k in todo[0][0]}
+            columns[_STAGE] = np.array([stage for _, stage in todo])
+
+            def run(batch: dict[str, Any]):
+                st = stage_builder(self.layout, batch, self.workload, self.backend, linear=True)(batch[_STAGE])
+                loss = st.moments.get("loss", {})  # there only when accumulating
+                n = len(batch[_STAGE])
+                states = sum(weights[k] * st.base.get(k, 0.0) for k in ("weights", "master", "optimizer", "constant"))
+                return np.broadcast_to(states, n), np.broadcast_to(weights["gradients"] * loss.get("gradients", 0.0), n)
+
+            new = list(missing)
+            for rows, (states, gradients) in by_branches(columns, run):
+                for r, s, g in zip(rows.tolist(), states.tolist(), gradients.tolist()):
+                    cache[new[r]] = (s, g)
+        return np.array([cache[key] for key in keys]).reshape(-1, 2)
 
     def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
         """Exact peak per stage (one fake step per stage)."""
@@ -345,8 +445,11 @@ class CostModel:
 
     def throughputs(self, points: Sequence[Mapping[str, Any]]):
         """``time(p).throughput(workload)`` of each of ``points`` (a numpy array), evaluated together."""
-        steps = predict_steps(self.layout, point_columns(points), self.workload, self.device,
-                              self.calibration.time_weights)
+        return self.column_throughputs(point_columns(points))
+
+    def column_throughputs(self, columns: Mapping[str, Any]):
+        """:meth:`throughputs` of points given as one array per knob (:func:`~.analytic.point_columns`)."""
+        steps = predict_steps(self.layout, columns, self.workload, self.device, self.calibration.time_weights)
         return samples_per_second(self.workload.global_batch, steps)
 
     def calibrate_time(self, points: Iterable[Mapping[str, Any]], step_seconds: Iterable[float],
@@ -369,6 +472,7 @@ class CostModel:
         return model_flops_per_step(self.layout, self.workload) / (step_seconds * peak)
 
 
+_STAGE = "\0stage"  # group_verdicts' column of each row's stage (no knob's name)
 # what block_activations reads of a point besides whether there is a checkpoint ratio
 _ACTS_KNOBS_NAMES = ("tp", "micro_batch", "attn", "fuse", "sp", "ckpt_policy")
 _ACTS_KNOBS = operator.itemgetter(*_ACTS_KNOBS_NAMES)
@@ -399,14 +503,15 @@ class _Reads(Mapping[str, Any]):
         return len(self.point)
 
 
-def _apart(reads: _Reads, point: Mapping[str, Any], variants: list[Mapping[str, Any]]) -> dict | None:
-    """``variants`` (indices) by the values of the knobs ``reads`` read in which they differ from
-    ``point``; None where they differ in none (evaluated together rightly)."""
-    read = operator.itemgetter(*reads.read) if reads.read else (lambda v: ())
+def _apart(read_names: set[str], point: Mapping[str, Any], variants: list[Mapping[str, Any]]) -> dict | None:
+    """``variants`` (indices) by the values of the knobs of ``read_names`` in which they differ
+    from ``point``; None where they differ in none (evaluated together rightly)."""
+    names = [k for k in read_names if k in point]
+    read = operator.itemgetter(*names) if names else (lambda v: ())
     mine = read(point)
     if all(read(v) == mine for v in variants):
         return None
-    differ = [k for k in reads.read if any(v[k] != point[k] for v in variants)]
+    differ = [k for k in names if any(v[k] != point[k] for v in variants)]
     apart: dict[tuple, list[int]] = {}
     for i, v in enumerate(variants):
         apart.setdefault(tuple(v.get(k) for k in differ), []).append(i)
@@ -439,6 +544,6 @@ def _layout(problem: Problem) -> ModelLayout:
 
 __all__ = [
     "PRESETS", "Calibration", "CostModel", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
-    "PeakTracker", "TimePrediction", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of",
+    "PeakTracker", "TimePrediction", "Variants", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of",
     "tracked_step",
 ]

@@ -22,7 +22,6 @@ per-layer activation formulas (:func:`megatron_activation_bytes`) are kept for c
 
 from __future__ import annotations
 
-import bisect
 import functools
 import json
 import math
@@ -889,20 +888,26 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
     tp, pp, dp, b = point["tp"], point["pp"], point["dp"], point["micro_batch"]
     zero, ratio, schedule = point["zero"], point["ckpt_ratio"], point["pipeline_schedule"]
-    vpp = knob_value(point, "vpp") if pp > 1 else 1  # a point without it means what it always meant
+    pipelined = _same(pp > 1)
+    vpp = knob_value(point, "vpp") if pipelined else 1  # a point without it means what it always meant
     mode = precision(workload.precision)
     s, B = workload.seq_len, mode.activation_bytes
     Pb = mode.param_bytes  # what the model computes with: held (replicated) or gathered (FSDP)
     G = GRAD_BYTES
     m = accumulation(workload, dp, b)
-    level = zero if dp > 1 else 0  # the ZeRO level in effect: nothing is sharded over one rank
+    accumulating = _same(m > 1)
+    level = _scalar(_pick(dp > 1, zero, 0))  # the ZeRO level in effect: nothing is sharded over one rank
     sharded = level > 0
     # torch's pipeline schedule turns FSDP's gradient sync and resharding after backward off until
     # the step's last backward (with one micro-batch, the first backward is the last)
-    deferred = sharded and pp > 1 and m > 1
-    gpipe = schedule == "gpipe"
+    deferred = sharded and pipelined and accumulating
+    gpipe = _same(schedule == "gpipe")
+    # the gradients a backward makes before any were accumulated (one micro-batch: the step's only)
+    grads_key = "gradients" if accumulating else "gradients_single"
+    interleaved = _same(vpp > 1)
     gloo = backend == "gloo"
-    state_bytes = model_state_bytes(workload.precision, level, dp)
+    state_bytes = {k: _each(lambda d, k=k: model_state_bytes(workload.precision, level, d)[k], dp)
+                   for k in ("weights", "master", "optimizer")}
     per_stage = layout.layers // pp
     tokens = b * s
     if linear:
@@ -931,16 +936,19 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     mlp_matrix = layout.hidden * layout.intermediate / tp
     embedding = layout.pre_sharded / tp
     # a tied embedding's gradient from the head, held until the embedding's backward adds its own
-    tied_wait = embedding if layout.tied_head and pp == 1 else 0.0
+    tied_wait = embedding if layout.tied_head and not pipelined else 0.0
 
     def stage_terms(stage: int) -> StageTerms:
-        first, last = stage == 0, stage == pp - 1
+        first, last = _same(stage == 0), _same(stage == pp - 1)
         # the first stage's backward ends in its embedding's, which makes a dense gradient of the
         # whole table (a tied one sums it with the head's, held since the head's backward: three
         # at once), beside every other gradient made
         emb_1 = embedding * Pb * (3 if layout.tied_head and last else 1) if first else 0.0
-        ckpt_chunks = checkpointed_per_chunk(ratio, layout.layers, pp, stage, vpp)
-        ckpt = checkpointed_in_flight(ratio, layout.layers, pp, stage, vpp, m)
+        ckpt = _each(checkpointed_in_flight, ratio, layout.layers, pp, stage, vpp, m)
+        # the checkpointed blocks' local positions: the first and the last (-1: none), how many, and
+        # whether the block before the stage's last is one (one array each, for array columns)
+        first_ckpt, last_ckpt, n_ckpt, before_top_ckpt, first_chunk_ckpt = _each(
+            _stage_ckpt_summary, ratio, layout.layers, pp, stage, vpp)
         full = per_stage - ckpt
         ends = 0.0
         if first:
@@ -957,8 +965,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # norm, a tied embedding); an untied embedding's come after the blocks'
         head = layout.post_sharded / tp + layout.post_replicated + (layout.pre_sharded / tp if layout.tied_head else 0.0) \
             if last else 0.0
-        fresh, held = _flights(pp, schedule, stage, m, vpp)
-        logits_fresh, logits_held = (fresh, held) if gpipe and pp > 1 else (1, 1)
+        fresh, held = _each(_flights, pp, schedule, stage, m, vpp)
+        logits_fresh, logits_held = (fresh, held) if gpipe and pipelined else (1, 1)
         per_mb = _nonzero({
             "act_replicated": rep_1 * full, "act_parallel": par_1 * full, "act_scores": scores_1 * full,
             "act_fused": fused_1 * full, "act_checkpointed": hidden_1 * ckpt, "act_selective": sel_1 * ckpt,
@@ -971,7 +979,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             # torch's pipeline stages keep receive buffers per micro-batch for the whole step: for the
             # activations (every stage but the model's first) and for their gradients (every stage
             # but the last); an interleaved rank holds vpp stages
-            "pp_recv": hidden_1 * m * (2 * vpp - first - last) if pp > 1 else 0.0,
+            "pp_recv": hidden_1 * m * (2 * vpp - first - last) if pipelined else 0.0,
             "constant": 2**20,
         })
         cache = {} if sharded or not copy_bytes else {
@@ -988,24 +996,24 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             if level < 3 and (level == 1 or deferred):
                 return {"gathered": whole}
             if level == 2:  # blocks stay gathered from forward until their own backward ends
-                return {"gathered": min(position + 1, per_stage) * one + root,
-                        "rs_buffer": G * block if position < per_stage - 1 else 0.0}
+                return {"gathered": _min(position + 1, per_stage) * one + root,
+                        "rs_buffer": _pick(position < per_stage - 1, G * block, 0.0)}
             # level 3: the running block and the next one's all-gather buffer (prefetched); deferred,
             # what this backward gathered stays (in GPipe's later backwards, the whole stage)
-            running = {"ag_buffer": one if 0 < position < per_stage else 0.0}
+            running = {"ag_buffer": _pick((position > 0) & (position < per_stage), one, 0.0)}
             if deferred:
                 blocks = per_stage if accumulated and gpipe else per_stage - position
                 return {"gathered": blocks * one + root, **running}
             # the input buffer of the block reduced before this one is kept until the next reduce
-            return {"gathered": (one if position < per_stage else 0.0) + root, **running,
-                    "rs_buffer": G * block if position < per_stage - 1 else 0.0}
+            return {"gathered": _pick(position < per_stage, one, 0.0) + root, **running,
+                    "rs_buffer": _pick(position < per_stage - 1, G * block, 0.0)}
 
         def gradients(position: int, accumulated: bool) -> dict[str, float]:
             """The gradients alive while the backward runs block ``position``."""
             made = (per_stage - 1 - position) * block + head  # parameters whose gradients this backward made
             if not sharded:
                 if not accumulated:
-                    return {**_fresh_gradients(m, False, made * G), "grads_transient": mlp_matrix * G}
+                    return {grads_key: made * G, "grads_transient": mlp_matrix * G}
                 # beside the accumulated gradients, the one just made (before it is added in), and
                 # what waits for the end of the backward: amp-bf16's gradients of the step's cached
                 # bf16 weight copies (their casts are the first micro-batch's autograd nodes, which run
@@ -1023,7 +1031,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 # gradient just made and a tied embedding's from the head (autocast's copies are
                 # made again each micro-batch: their gradients are added in at once)
                 if not accumulated:
-                    return _fresh_gradients(m, False, made * Pb)
+                    return {grads_key: made * Pb}
                 return {"gradients": grads, "grads_unsharded": made * Pb if Pb != G else 0.0,
                         "grads_transient": (0.0 if Pb != G else tied_wait * Pb) + mlp_matrix * (Pb + copy_bytes)}
             # levels 2 and 3, one stage: blocks reduce-scattered as their backward ends; the running
@@ -1031,7 +1039,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             current = {"grads_unsharded": (block + head) * Pb}
             if accumulated:
                 return {"gradients": grad_shards, **current}
-            return {**_fresh_gradients(m, False, (made - head) * G / dp), **current}
+            return {grads_key: (made - head) * G / dp, **current}
 
         def reduce_scatter(unit: float, source: float) -> dict[str, float]:
             """A unit's reduce-scatter at its largest: FSDP's fp32 input buffer, copied in from the
@@ -1040,27 +1048,27 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             moment is then the copy-in, unless the output outweighs the source)."""
             if gloo:
                 return {"rs_buffer": unit * G * (1 + 1 / dp), "rs_copy": unit * G}
-            return {"rs_buffer": unit * G + max(0.0, unit * G / dp - source)}
+            return {"rs_buffer": unit * G + _at_least_zero(unit * G / dp - source)}
 
-        positions = _stage_ckpt_list(ratio, layout.layers, pp, stage, vpp)
         top = per_stage - 1
+        top_checkpointed = _same(last_ckpt == top)
         # a checkpointed block's backward rebuilds its activations (selective: beside the matmul
         # outputs it kept, which include the column-parallel ones a plain block saves)
         if linear:
-            recompute = 1.0 if ckpt else 0.0  # the coefficient of LinearFeatures' recompute
+            recompute = _pick(ckpt != 0, 1.0, 0.0)  # the coefficient of LinearFeatures' recompute
         else:
-            recompute = _at_least_zero(rep_1 + par_1 + scores_1 + fused_1 - sel_par_1) if ckpt else 0.0
+            recompute = _pick(ckpt != 0, _at_least_zero(rep_1 + par_1 + scores_1 + fused_1 - sel_par_1), 0.0)
         # under FSDP (autocast's cache off) the rebuilt block casts its weights again and keeps the copies
-        recopies = copy_bytes * layout.block_sharded / tp if ckpt and sharded else 0.0
+        recopies = _pick((ckpt != 0) & sharded, copy_bytes * layout.block_sharded / tp, 0.0)
 
         def after_top(flight: int) -> dict[str, float]:
             """Activations once the stage's last block has finished its backward."""
-            if top in positions:
+            if top_checkpointed:
                 acts = {k: v * flight for k, v in per_mb.items()}
                 acts["act_checkpointed"] = hidden_1 * (ckpt * flight - 1)
                 acts["act_selective"] = sel_1 * (ckpt * flight - 1)
                 return acts
-            acts = {k: v * (flight - 1) + v * max(0.0, full - 1) / full for k, v in per_mb.items()
+            acts = {k: v * (flight - 1) + v * _at_least_zero(full - 1) / full for k, v in per_mb.items()
                     if k not in CHECKPOINTED}
             acts["act_checkpointed"] = hidden_1 * ckpt * flight
             acts["act_selective"] = sel_1 * ckpt * flight
@@ -1072,7 +1080,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # pipeline stage keeps its output (the logits, in the compute dtype) until its backward ends.
         # The loss's backward makes two fp32 gradients of that size beside the log-softmax
         loss_1 = tokens * layout.vocab * LOSS_BYTES if last else 0.0
-        out_1 = tokens * layout.vocab * B if last and pp > 1 else 0.0
+        out_1 = tokens * layout.vocab * B if last and pipelined else 0.0
         logits_1 = loss_1 + out_1
         events = {
             # the most micro-batches in flight, before this step's first backward: no gradients yet
@@ -1088,7 +1096,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 events["forward_gather"] = {**cache, **per_mb, "logits": logits_1, **forward}
             else:
                 events["forward"].update(forward)
-        if m > 1 and level >= 2 and not deferred:
+        if accumulating and level >= 2 and not deferred:
             # levels 2 and 3 gather again for every micro-batch, beside the accumulated gradient shards
             events["forward_later"] = {"gradients": grad_shards, **{k: v * held for k, v in per_mb.items()},
                                        "logits": logits_1 * logits_held, **forward}
@@ -1102,16 +1110,16 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # the backwards run so far (all but the warm-up's count still to run; a rank's first chunk
         # sends none on the model's first stage)
         steady_sends = 0.0
-        if vpp > 1 and m > 1:
-            left = min(interleaved_warmup(pp, vpp, m, stage), m * vpp)
+        if interleaved and accumulating:
+            left = _min(_each(interleaved_warmup, pp, vpp, m, stage), m * vpp)
             steady_sends = hidden_1 * (m * (vpp - last) + (m * vpp - left) * (vpp - first) / vpp)
-        variants = [("", held, logits_held, True)] if m > 1 else []
-        if m == 1 or (fresh, logits_fresh) != (held, logits_held):
+        variants = [("", held, logits_held, True)] if accumulating else []
+        if not accumulating or _same((fresh != held) | (logits_fresh != logits_held)):
             variants.insert(0, ("_first", fresh, logits_fresh, False))
         # interleaved with no steady state (the warm-up runs every forward): the accumulating
         # moments are the cool-down's second backward, when only the chunk the rank runs backward
         # first (its last) has made gradients, not the whole stage
-        cooling = vpp > 1 and m * vpp - interleaved_warmup(pp, vpp, m, stage) < 2
+        cooling = interleaved and _same(m * vpp - _each(interleaved_warmup, pp, vpp, m, stage) < 2)
         # what a backward's end frees: a micro-batch's activations, or interleaved, its chunk's
         done = 1 / vpp
         for suffix, flight, logits_flight, accumulated in variants:
@@ -1123,14 +1131,14 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             alive.pop("grads_unsharded", None)
             alive.pop("grads_transient", None)
             # the loss of a micro-batch: its logits' gradients beside the logits
-            sends = {"pp_sends": steady_sends} if accumulated and vpp > 1 and m > 1 else {}
+            sends = {"pp_sends": steady_sends} if accumulated and interleaved and accumulating else {}
             events["loss" + suffix] = {**cache, **alive, **acts, "logits": logits_1 * logits_flight,
                                        "logits_grad": 2 * loss_1, **gathered(per_stage, accumulated), **sends}
             # the stage's backward starts: every activation alive, the block's gradient temporaries
             events["backward_start" + suffix] = {
                 **cache, **acts, "logits": logits, "backward_temp": temp_1,
                 **gathered(top, accumulated), **gradients(top, accumulated), **sends}
-            if top not in positions and (score_grads_1.any() if isinstance(score_grads_1, np.ndarray) else score_grads_1):
+            if not top_checkpointed and _any(score_grads_1):
                 # the last block's attention backward: its MLP's activations freed, the gradients of
                 # its materialised scores alive
                 events["backward_attention" + suffix] = {
@@ -1142,17 +1150,17 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             # checkpointed block is rebuilt beside the full blocks before it and the gradients of
             # the blocks after it: the last such block has the most activations beside it, the
             # first the most gradients.
-            for name, position in (("backward", positions[-1] if positions else -1),
-                                   ("backward_early", positions[0] if positions else -1)):
-                if position < 0 or (name == "backward_early" and position == positions[-1]):
+            # (the checkpointed blocks up to the last one: all of them; up to the first: one)
+            for name, position, inputs_before in (("backward", last_ckpt, n_ckpt), ("backward_early", first_ckpt, 1)):
+                if _same(position < 0) or (name == "backward_early" and _same(position == last_ckpt)):
                     continue
-                inputs_before = bisect.bisect_right(positions, position)
                 full_before = position + 1 - inputs_before
-                current = {k: v * (flight - 1) + v * full_before / full if full else v * (flight - 1)
+                partial = _same(full != 0)
+                current = {k: v * (flight - 1) + v * full_before / full if partial else v * (flight - 1)
                            for k, v in per_mb.items() if k not in CHECKPOINTED}
                 current["act_checkpointed"] = hidden_1 * (ckpt * (flight - 1) + inputs_before)
                 current["act_selective"] = sel_1 * (ckpt * (flight - 1) + inputs_before)
-                if recopies:
+                if _any(recopies):
                     current["compute_copies"] = current.get("compute_copies", 0.0) + recopies
                 # the stage holds a micro-batch's output (the logits) until its backward is done
                 events[name + suffix] = {**cache, **current, "logits": logits, "recompute": recompute,
@@ -1163,7 +1171,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                     waiting = (per_stage * layout.block_sharded / tp + (head_matrix if last else 0.0)) * copy_bytes
                     ended = {"gradients": grads, "grads_unsharded": waiting, "grads_transient": emb_1}
                 else:
-                    ended = {**_fresh_gradients(m, False, params * G), "grads_transient": emb_1 - embedding * Pb}
+                    ended = {grads_key: params * G, "grads_transient": emb_1 - embedding * Pb}
                 events["backward_end" + suffix] = {
                     **cache, **{k: v * (flight - done) for k, v in per_mb.items()},
                     "logits": logits_1 * (logits_flight - 1), **ended, **sends}
@@ -1171,10 +1179,10 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 # the backward ends with every gradient of the stage made, the stage gathered, the
                 # other micro-batches in flight (FSDP then upcasts bf16 gradients, or reduces)
                 made = {"gradients": grads, "grads_unsharded": params * Pb if Pb != G else 0.0} \
-                    if accumulated else _fresh_gradients(m, False, params * Pb)
+                    if accumulated else {grads_key: params * Pb}
                 # the embedding's own gradient is among those made (the first stage's only: a later
                 # stage has no transient of it)
-                made["grads_transient"] = emb_1 if accumulated else max(0.0, emb_1 - embedding * Pb)
+                made["grads_transient"] = emb_1 if accumulated else _at_least_zero(emb_1 - embedding * Pb)
                 events["backward_end" + suffix] = {
                     **cache, **{k: v * (flight - done) for k, v in per_mb.items()},
                     "logits": logits_1 * (logits_flight - 1), "gathered": whole, **made, **sends}
@@ -1183,24 +1191,24 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 # resharded), then the next block's backward beside its kept input buffer
                 after = after_top(flight)
                 reduced = {"gathered": top * one + root} if level == 2 else \
-                    {"gathered": root, "ag_buffer": one if top else 0.0}
+                    {"gathered": root, "ag_buffer": _pick(top != 0, one, 0.0)}
                 # the root's gradients stay unsharded until its own reduce-scatter ends the backward
                 events["backward_reduce" + suffix] = {
                     **after, **reduced, **(gradients(per_stage, True) if accumulated else {}),
                     **reduce_scatter(block, block * Pb), "grads_unsharded": head * Pb + (0.0 if gloo else block * Pb)}
-                if top:
-                    rebuilt = top - 1 in positions
+                if _same(top != 0):
+                    rebuilt = before_top_ckpt
                     events["backward_block" + suffix] = {
-                        **after, "backward_temp": temp_1, "recompute": recompute if rebuilt else 0.0,
+                        **after, "backward_temp": temp_1, "recompute": _pick(rebuilt, recompute, 0.0),
                         **gathered(top - 1, accumulated), **gradients(top - 1, accumulated)}
-                    if rebuilt and recopies:
+                    if _any(rebuilt & (recopies != 0)):
                         copies = events["backward_block" + suffix].get("compute_copies", 0.0)
-                        events["backward_block" + suffix]["compute_copies"] = copies + recopies
+                        events["backward_block" + suffix]["compute_copies"] = copies + _pick(rebuilt, recopies, 0.0)
             if accumulated and cooling and not sharded:
                 for name in set(events) - before:
                     if "gradients" in events[name]:
-                        events[name]["gradients"] /= vpp
-        if vpp > 1 and not sharded:
+                        events[name]["gradients"] = events[name]["gradients"] / vpp  # not in place: shared
+        if interleaved and not sharded:
             # torch's runtime schedules (interleaved 1F1B, interleaved zero bubble) wait for their
             # sends only once the step's actions are done (_PipelineScheduleRuntime._step_microbatches):
             # every chunk output sent forward (the chunks before the model's last) and every input
@@ -1213,48 +1221,48 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             end.update({"grads_transient": emb_1} if first else
                        {"backward_temp": temp_1, "grads_transient": mlp_matrix * G})
             events["backward_last"] = end
-            if ckpt_chunks[0]:
+            if _same(first_chunk_ckpt != 0):
                 # the rank's last backward (its first chunk's, of the step's last micro-batch) rebuilds
                 # that chunk's last checkpointed block beside every send but its own (made by it)
-                chunk_full = per_stage // vpp - ckpt_chunks[0]
+                chunk_full = per_stage // vpp - first_chunk_ckpt
                 events["backward_last_rebuild"] = {
                     **cache, **gradients(top, True), "pp_sends": sent - (0.0 if first else hidden_1),
                     "act_replicated": rep_1 * chunk_full, "act_parallel": par_1 * chunk_full,
                     "act_scores": scores_1 * chunk_full, "act_fused": fused_1 * chunk_full,
-                    "act_checkpointed": hidden_1 * ckpt_chunks[0], "act_selective": sel_1 * ckpt_chunks[0],
+                    "act_checkpointed": hidden_1 * first_chunk_ckpt, "act_selective": sel_1 * first_chunk_ckpt,
                     "recompute": recompute, "backward_temp": temp_1}
             if last:
-                waiting = min(interleaved_warmup(pp, vpp, m, stage), m * vpp - 1)
+                waiting = _min(_each(interleaved_warmup, pp, vpp, m, stage), m * vpp - 1)
                 events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent - hidden_1 * waiting,
                                        **{k: v * waiting / vpp for k, v in per_mb.items()},
                                        "logits": logits_1, "logits_grad": 2 * loss_1}
         if not sharded:
             # replicated data parallelism averages the fp32 gradients through flat buckets (a bucket
             # holds 32 MiB of gradients, or one larger gradient)
-            sync = {("gradients" if m > 1 else "gradients_single"): grads,
-                    "dp_buckets": min(grads, max(DP_BUCKET_BYTES, largest * G)) if dp > 1 else 0.0}
+            sync = {grads_key: grads,
+                    "dp_buckets": _pick(dp > 1, _min(grads, _max(DP_BUCKET_BYTES, largest * G)), 0.0)}
         elif level == 1:
             # the stage's one reduce-scatter, once its gathered parameters are freed
-            unsharded = {"gradients": grads} if m > 1 else {"gradients_single": params * Pb}
+            unsharded = {"gradients": grads} if accumulating else {"gradients_single": params * Pb}
             sync = {**reduce_scatter(params, sum(unsharded.values())), **({} if gloo else unsharded)}
         elif deferred:
             # the step's last backward reduce-scatters block by block the gradients accumulated whole
             # (the first block's move into the reduce-scatter's input), the rest of the stage still
             # gathered: every block at level 2 and after GPipe's backwards; 1F1B's last stage has
             # just resharded everything in its last forward and gathers again
-            regathered = level == 3 and not gpipe and fresh == 1
+            regathered = level == 3 and not gpipe and _same(fresh == 1)
             sync = {"gradients": grads - (block * G if gloo else 0.0), **after_top(1),
                     **({"gathered": root, "ag_buffer": one} if regathered else {"gathered": whole - one}),
                     **reduce_scatter(block, block * G)}
         else:
             # the root's reduce-scatter ends the backward, beside every block's gradient shards
-            sync = {("gradients" if m > 1 else "gradients_single"): grad_shards,
+            sync = {grads_key: grad_shards,
                     **reduce_scatter(ends, ends * Pb), "grads_unsharded": 0.0 if gloo else ends * Pb}
         events["gradient_sync"] = sync
         # AdamW's temporaries (fp32: it steps fp32 parameters or masters), once activations are gone
-        step_grads = {"gradients": grad_shards} if sharded else {("gradients" if m > 1 else "gradients_single"): grads}
+        step_grads = {"gradients": grad_shards} if sharded else {grads_key: grads}
         events["optimizer"] = {"optimizer_temp": largest / (dp if sharded else 1) * 4, **step_grads}
-        return StageTerms(stage, int(shard), base, events)
+        return StageTerms(stage, _int(shard), base, events)
 
     return stage_terms
 
@@ -1264,15 +1272,19 @@ def dominant_stages(layout: ModelLayout, point: Mapping[str, Any]) -> list[int]:
     first and the last, and of the stages between, the first of those checkpointing the same
     blocks. Those hold no embeddings, head or logits, so their terms differ only in what they
     checkpoint and in the micro-batches they hold, which never grow with the stage's index."""
-    pp, ratio, vpp = point["pp"], point["ckpt_ratio"], knob_value(point, "vpp")
+    return list(_dominant_stages(layout.layers, point["pp"], point["ckpt_ratio"], knob_value(point, "vpp")))
+
+
+@functools.lru_cache(maxsize=4096)
+def _dominant_stages(layers: int, pp: int, ratio: float, vpp: int) -> tuple[int, ...]:
     chosen, seen = [0], set()
     for stage in range(1, pp - 1):
         # interleaved, too: a later rank's warm-up holds a prefix of an earlier one's chunk forwards
-        positions = _stage_ckpt_positions(ratio, layout.layers, pp, stage, vpp)
+        positions = _stage_ckpt_positions(ratio, layers, pp, stage, vpp)
         if positions not in seen:
             seen.add(positions)
             chosen.append(stage)
-    return chosen + [pp - 1] if pp > 1 else chosen
+    return tuple(chosen + [pp - 1] if pp > 1 else chosen)
 
 
 def _nonzero(terms: dict[str, float]) -> dict[str, float]:
@@ -1282,6 +1294,104 @@ def _nonzero(terms: dict[str, float]) -> dict[str, float]:
 
 def _at_least_zero(x):
     return np.maximum(0.0, x) if isinstance(x, np.ndarray) else max(0.0, x)
+
+
+# stage_builder's knobs may be array columns, one element per row (a point and a stage) of a batch
+# evaluated together (CostModel.group_verdicts): each row's terms are then the same float operations
+# as its own. A branch on the knobs runs one way for all of a batch's rows, or the rows are split by
+# it (_Split) and each side run apart; these helpers are the scalar code where nothing is an array.
+class _Split(Exception):
+    """A branch condition ``mask`` that differs between the rows of a batch: run its sides apart."""
+
+    def __init__(self, mask: np.ndarray):
+        super().__init__("rows differ in a branch")
+        self.mask = mask
+
+
+def by_branches(columns: dict[str, np.ndarray], run: Callable[[dict[str, np.ndarray]], Any]
+                ) -> list[tuple[np.ndarray, Any]]:
+    """``run`` of a batch of rows (``columns``: arrays, one element per row) as ``(rows, result)``:
+    of all of them, or where a branch of ``run`` splits them (:class:`_Split`), of each side apart."""
+    pending, done = [np.arange(len(next(iter(columns.values()))))], []
+    while pending:
+        rows = pending.pop()
+        try:
+            done.append((rows, run({k: v[rows] for k, v in columns.items()})))
+        except _Split as split:
+            pending += [rows[split.mask], rows[~split.mask]]
+    return done
+
+
+def _same(condition) -> bool:
+    """A branch condition's truth, shared by every row of a batch (else :class:`_Split`)."""
+    if isinstance(condition, np.ndarray):
+        if condition.all():
+            return True
+        if condition.any():
+            raise _Split(condition.astype(bool))
+        return False
+    return bool(condition)
+
+
+def _scalar(value):
+    """A knob-derived value every row of a batch shares, as a Python scalar (else :class:`_Split`
+    by whether a row's is the first row's)."""
+    if isinstance(value, np.ndarray):
+        first = value.flat[0]
+        if (value == first).all():
+            return first.item()
+        raise _Split(value == first)
+    return value
+
+
+def _pick(condition, if_true, if_false):
+    """``if_true if condition else if_false``, row by row for a batch."""
+    if isinstance(condition, np.ndarray):
+        return np.where(condition, if_true, if_false)
+    return if_true if condition else if_false
+
+
+def _min(a, b):
+    return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
+
+
+def _max(a, b):
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+
+
+def _any(x) -> bool:
+    """Whether a term holds bytes in any row (adding one that holds none changes no sum)."""
+    return bool(x.any()) if isinstance(x, np.ndarray) else bool(x)
+
+
+def _int(x):
+    return x.astype(np.int64) if isinstance(x, np.ndarray) else int(x)
+
+
+def _each(fn: Callable, *args):
+    """``fn(*args)``, or for a batch ``fn`` of each row's scalars (once per distinct row), as an
+    array (a tuple of arrays where ``fn`` returns tuples)."""
+    arrays = [a for a in args if isinstance(a, np.ndarray)]
+    if not arrays:
+        return fn(*args)
+    n = len(arrays[0])
+    if n > 512:  # the distinct rows by array operations: each column's values coded, the codes combined
+        code = np.zeros(n, dtype=np.int64)
+        for a in arrays:
+            values, inverse = np.unique(a, return_inverse=True)
+            code = code * len(values) + inverse.reshape(-1)
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        columns = [a[first].tolist() if isinstance(a, np.ndarray) else [a] * len(first) for a in args]
+        results = [fn(*row) for row in zip(*columns)]
+    else:  # few rows: a dictionary of the distinct ones
+        columns = [a.tolist() if isinstance(a, np.ndarray) else [a] * n for a in args]
+        distinct: dict[tuple, int] = {}
+        inverse = np.array([distinct.setdefault(row, len(distinct)) for row in zip(*columns)])
+        results = [fn(*row) for row in distinct]
+    if isinstance(results[0], tuple):
+        return tuple(np.array(column)[inverse] for column in zip(*results))
+    return np.array(results)[inverse]
 
 
 def vector_peak(st: StageTerms, weights: Mapping[str, float], n: int) -> np.ndarray:
@@ -1330,52 +1440,34 @@ LINEAR_FIELD = MappingProxyType({"act_replicated": 1, "act_parallel": 2, "act_sc
 _TERM_FIELD = MappingProxyType({k: LINEAR_FIELD.get(k, 0) for k in MEMORY_TERMS})
 
 
-def linear_terms(st: StageTerms, weights: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """The events of a ``linear`` stage (:func:`stage_builder`) as an (events, features) matrix:
-    an event's weighted multiples of :class:`LinearFeatures`, the base's included, whose product
-    with a point's features is :meth:`StageTerms.peak`'s sum for that event, the same products
-    added in another order; and where a weighted term is negative, the matrix of their
-    magnitudes (the rounding of either sum is bounded by its product, no more by the total's).
-    None where a term is unknown."""
+def linear_terms(st: StageTerms, weights: Mapping[str, float], n: int
+                 ) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The events of a ``linear`` stage (:func:`stage_builder`) of a batch of ``n`` rows as an
+    (n, events, features) array: each row's events' weighted multiples of :class:`LinearFeatures`,
+    the base's included, whose product with a point's features is :meth:`StageTerms.peak`'s sum
+    for that event, the same products added in another order; and where a weighted term is
+    negative, the array of their magnitudes (the rounding of either sum is bounded by its
+    product, no more by the total's). None where a term is unknown."""
     field = _TERM_FIELD
-    base = [0.0] * len(LinearFeatures._fields)
-    negative = False
-    try:
+    width = len(LinearFeatures._fields)
+
+    def matrix(magnitude: bool) -> np.ndarray:
+        base = np.zeros((n, width))
         for k, v in st.base.items():
             t = weights[k] * v
-            if t < 0:
-                negative = True
-            base[field[k]] += t
-        rows = []
-        for terms in st.moments.values():
-            row = base.copy()
+            base[:, field[k]] += np.abs(t) if magnitude else t
+        events = np.repeat(base[:, None, :], len(st.moments), axis=1)
+        for j, terms in enumerate(st.moments.values()):
             for k, v in terms.items():
                 t = weights[k] * v
-                if t < 0:
-                    negative = True
-                row[field[k]] += t
-            rows.append(row)
-    except KeyError:  # a term without a field
+                events[:, j, field[k]] += np.abs(t) if magnitude else t
+        return events
+
+    terms = [*st.base.items(), *(item for moment in st.moments.values() for item in moment.items())]
+    if any(k not in field or k not in weights for k, _ in terms):
         return None
-    if not negative:
-        return np.array(rows), None
-    base = [0.0] * len(base)
-    for k, v in st.base.items():
-        base[field[k]] += abs(weights[k] * v)
-    sizes = []
-    for terms in st.moments.values():
-        row = base.copy()
-        for k, v in terms.items():
-            row[field[k]] += abs(weights[k] * v)
-        sizes.append(row)
-    return np.array(rows), np.array(sizes)
-
-
-def _fresh_gradients(micro_batches: int, accumulated: bool, nbytes: float) -> dict[str, float]:
-    """Gradients created so far in this backward, when none were accumulated before it."""
-    if accumulated:
-        return {}
-    return {"gradients_single" if micro_batches == 1 else "gradients": nbytes}
+    negative = any(np.any(weights[k] * v < 0) for k, v in terms)
+    return matrix(False), matrix(True) if negative else None
 
 
 def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -> frozenset[int]:
@@ -1383,8 +1475,15 @@ def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_ckpt_list(ratio: float, total_layers: int, pp: int, stage: int, vpp: int = 1) -> tuple[int, ...]:
-    return tuple(sorted(_stage_ckpt_positions(ratio, total_layers, pp, stage, vpp)))
+def _stage_ckpt_summary(ratio: float, total_layers: int, pp: int, stage: int, vpp: int = 1
+                        ) -> tuple[int, int, int, bool, int]:
+    """What :func:`stage_builder` reads of a rank's checkpointed blocks: the first and the last
+    local position (-1: none), how many, whether the block before the rank's last is one, and how
+    many its first chunk holds."""
+    positions = sorted(_stage_ckpt_positions(ratio, total_layers, pp, stage, vpp))
+    top = total_layers // pp - 1
+    return (positions[0] if positions else -1, positions[-1] if positions else -1, len(positions),
+            top - 1 in positions, checkpointed_per_chunk(ratio, total_layers, pp, stage, vpp)[0])
 
 
 @functools.lru_cache(maxsize=4096)
