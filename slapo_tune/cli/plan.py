@@ -229,17 +229,18 @@ def _search(model, problem, budget: int, top: int) -> _Found:
                    for group in _groups([point for *_, point in stems[start:]], range(len(stems) - start)).values()]
     found.points = index
     # groups whose model states and activations alone cannot fit: pruned together, unlisted
-    variants = [Variants({**stems[s][2], **combo} for s in group for combo in combos) for group in groups]
-    evaluated = []  # indices in ``groups``
-    for g, floor in enumerate(model.group_floors([v[0] for v in variants], variants, weights)):
+    variants = [Variants([stems[s][2] for s in group], combos) for group in groups]
+    heads = [v[0] for v in variants]
+    evaluated, floored = [], []  # indices in ``groups``: evaluated, pruned by their floor
+    for g, floor in enumerate(model.group_floors(heads, variants, weights)):
         if optimistic(floor, uncertainty) > budget:
             members = [stems[s] for s in groups[g]]
             found.pruned += len(variants[g])
             found.pruned_rows.append((floor, members[0][0], _LAZY, _stem_entries(members, combos, floor)))
-            firsts += itertools.islice(((i + c, stem, rest) for i, stem, _ in members for c, rest in enumerate(combos)), top)
+            floored.append(g)
         else:
             evaluated.append(g)
-    verdicts = model.group_verdicts([(variants[g][0], variants[g]) for g in evaluated], budget, weights, _BLOCK_KNOBS)
+    verdicts = model.group_verdicts([(heads[g], variants[g]) for g in evaluated], budget, weights, _BLOCK_KNOBS)
     # every evaluated point as flat arrays: verdict, peak, stem, tail (in ``combos``), index, group
     chain = itertools.chain.from_iterable
     oks = np.fromiter(chain(oks for oks, _ in verdicts), dtype=bool)
@@ -261,6 +262,13 @@ def _search(model, problem, budget: int, top: int) -> _Found:
         found.pruned_rows.append((int(peaks[first]), int(index_of[first]), _LAZY,
                                   _listed_entries(peaks, index_of, knobs_of, members)))
     firsts += [(int(index_of[v]), knobs_of(v), {}) for v in pruned[np.argsort(index_of[pruned], kind="stable")[:top]].tolist()]
+    # the groups pruned by their floor, by their first point (their first stem's, the first tail)
+    firsts.sort(key=operator.itemgetter(0))
+    last = firsts[top - 1][0] if len(firsts) >= top else index
+    for g in floored:
+        members = [stems[s] for s in groups[g]]
+        if members[0][0] < last:
+            firsts += itertools.islice(((i + c, stem, rest) for i, stem, _ in members for c, rest in enumerate(combos)), top)
     found.examples = [_row(model, Plan.of({**raw, **tail}, workload), budget)
                       for _, raw, tail in sorted(firsts, key=operator.itemgetter(0))[:top]]
     # the points that fit, their knobs as columns: predicted to fit first, then by throughput, then in space order

@@ -71,11 +71,28 @@ class Verdict:
     reason: str = ""
 
 
-class Variants(list):
-    """A group's variants (points that differ only in what a block keeps) that remember what
-    :func:`~.analytic.block_activations` reads of them once it is computed."""
+class Variants(Sequence[Mapping[str, Any]]):
+    """A group's variants (points that differ only in what a block keeps): each of ``bases`` with
+    each of ``tails`` (knobs that replace the base's), made a dict only when one is asked for. What
+    :func:`~.analytic.block_activations` reads of them is read once per distinct base and tail, and
+    remembered (a group's floor and its verdicts both read it)."""
 
-    acts_key: tuple | None = None
+    def __init__(self, bases: Sequence[Mapping[str, Any]], tails: Sequence[Mapping[str, Any]] = ({},)):
+        self.bases, self.tails = list(bases), list(tails)
+        self.acts_key: tuple | None = None
+
+    def __len__(self) -> int:
+        return len(self.bases) * len(self.tails)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        base, tail = divmod(i, len(self.tails))
+        return {**self.bases[base], **self.tails[tail]}
 
 
 class CostModel:
@@ -253,12 +270,17 @@ class CostModel:
     def _variants_key(self, variants: list[Mapping[str, Any]]) -> tuple:
         """What :func:`~.analytic.block_activations` reads of each of ``variants`` (remembered by a
         :class:`Variants` list: a group's floor and its verdicts read it)."""
-        key = getattr(variants, "acts_key", None)
-        if key is None:
-            key = tuple(map(self._acts_key, variants))
-            if isinstance(variants, Variants):
-                variants.acts_key = key
-        return key
+        if not isinstance(variants, Variants):
+            return tuple(map(self._acts_key, variants))
+        if variants.acts_key is None:
+            # by what the bases and the tails give of the knobs read (groups share them)
+            known = self.__dict__.setdefault("_acts_keys", {})
+            read = (tuple(tuple(map(b.get, _ACTS_READ, _UNSET)) for b in variants.bases),
+                    tuple(tuple(map(t.get, _ACTS_READ, _UNSET)) for t in variants.tails))
+            if read not in known:
+                known[read] = tuple(self._acts_key({**b, **t}) for b in variants.bases for t in variants.tails)
+            variants.acts_key = known[read]
+        return variants.acts_key
 
     @staticmethod
     def _acts_key(point: Mapping[str, Any]) -> tuple:
@@ -476,6 +498,8 @@ _STAGE = "\0stage"  # group_verdicts' column of each row's stage (no knob's name
 # what block_activations reads of a point besides whether there is a checkpoint ratio
 _ACTS_KNOBS_NAMES = ("tp", "micro_batch", "attn", "fuse", "sp", "ckpt_policy")
 _ACTS_KNOBS = operator.itemgetter(*_ACTS_KNOBS_NAMES)
+_ACTS_READ = (*_ACTS_KNOBS_NAMES, "ckpt_ratio")  # all _acts_key reads
+_UNSET = (object(),) * len(_ACTS_READ)  # a knob a base or a tail leaves to the other
 
 
 class _Reads(Mapping[str, Any]):
