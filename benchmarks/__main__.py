@@ -6,7 +6,8 @@ grid (:mod:`benchmarks.search_strategies`), cost-model accuracy
 (:mod:`benchmarks.cost_model_accuracy`; the full 60-point grid alone takes about 50 minutes on 2
 cores, so this run measures a smaller seeded sample unless ``--full-accuracy``), sequence
 parallelism, selective recomputation and interleaving side by side (:mod:`benchmarks.techniques`),
-and overheads (schedule language, pipeline, runners, the driver at 1,000 trials). ``--quick`` is a smoke run of
+overheads (schedule language, pipeline, runners, the driver at 1,000 trials), and ``plan``'s wall time
+at 1,024-3,072 ranks (:mod:`benchmarks.plan_speed`). ``--quick`` is a smoke run of
 every section (under 10 minutes), not the reported figures.
 """
 
@@ -42,6 +43,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
             ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
             ("techniques side by side", "techniques", ["--quick"]),
             ("published tables", "paper_tables", ["--quick"]),
+            ("plan at scale", "plan_speed", ["--rounds", "1"]),
         ]
     accuracy = [] if full_accuracy else ["--points-per-world", "2", "--calibration-per-world", "1"]
     return [
@@ -54,6 +56,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
         ("driver overhead", "driver_overhead", []),
         ("techniques side by side", "techniques", []),
         ("published tables", "paper_tables", []),
+        ("plan at scale", "plan_speed", []),
     ]
 
 
@@ -120,6 +123,10 @@ def targets(mode: str, seconds: dict[str, float]) -> list[tuple[str, str, str, b
     for world, r in (_load("runner_overhead") or {}).items():
         if isinstance(r, dict) and "ray_over_local" in r:
             check(f"runner overhead {world}: Ray / local", r["ray_over_local"], "<= 1.5", r["ray_over_local"] <= 1.5)
+    for label, r in ((_load("plan_speed") or {}).get("rows") or {}).items():
+        if r["target_s"]:
+            check(f"plan {label}: wall seconds (median of {r['rounds']})", r["wall_median"], f"< {r['target_s']:.0f}",
+                  r["wall_median"] < r["target_s"], "{:.2f}")
     total, limit = sum(seconds.values()) / 60, 10 if mode == "quick" else 45
     check("run time (minutes)", total, f"< {limit}", total < limit, "{:.1f}")
     return out
@@ -218,6 +225,11 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
         from benchmarks.paper_tables import report_section as paper_section
 
         lines += paper_section(papers)
+    plans = _load("plan_speed")
+    if plans:
+        from benchmarks.plan_speed import report_section as plan_section
+
+        lines += plan_section(plans)
     lines += ["## Overheads", ""]
     sched = _load("schedule_overhead")
     if sched:

@@ -119,6 +119,28 @@ def test_quick_verdicts_are_the_predicted_peaks_verdicts(case, monkeypatch):
     assert opened  # the margin left some open: they were evaluated as memory() adds the terms
 
 
+@pytest.mark.parametrize("case", [(), GPT2], ids=["llama", "gpt2-amp"])
+def test_every_group_evaluated_at_once_gets_its_predicted_peaks_verdicts(case):
+    """``plan`` evaluates all groups' stages as one batch of rows (the knobs array columns; rows
+    that branch differently run apart): each point's verdict is still its predicted peak's
+    (:meth:`CostModel.memory`, one point at a time), and its bound below or on the right side of it."""
+    model, evaluated = _evaluated(*case)
+    keep = 1 - model.calibration.uncertainty
+    peaks = {json.dumps(point.knobs()): mem.peak for point, mem in evaluated}
+    groups = _groups(case)
+    all_peaks = sorted(peaks.values())
+    for budget in (all_peaks[len(all_peaks) // 3], all_peaks[2 * len(all_peaks) // 3]):
+        verdicts = model.group_verdicts([(group[0], group) for group in groups], budget)
+        fits = 0
+        for group, (oks, bounds) in zip(groups, verdicts):
+            for point, ok, bound in zip(group, oks, bounds):
+                peak = peaks[json.dumps(point)]
+                assert ok == (not int(peak * keep) > budget), (point, budget)
+                assert (bound > budget) == (peak > budget) if ok else bound <= peak
+                fits += ok
+        assert 0 < fits < len(peaks)  # both verdicts occur
+
+
 def test_points_differing_in_what_the_stages_read_are_evaluated_apart(monkeypatch):
     """A knob the stages read besides what a block keeps (here: fusion, adding to a stage's
     weights) splits a group: its points are evaluated apart, as one by one."""
