@@ -303,25 +303,42 @@ class Guided(OrderedSampler):
                 residuals.append(measured - t["log_prior"][i])
         return rows, np.array(residuals), best
 
+    def _normal_equations(self, rows: list[int], residuals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """X'X and X'y of the measured points' features X and residuals y (of the size of the
+        features, whatever the number of measurements)."""
+        t = self._tables()
+        gram, target = np.zeros((t["width"], t["width"])), np.zeros(t["width"])
+        for i, y in zip(rows, residuals):
+            gram[np.ix_(t["features"][i], t["features"][i])] += 1.0
+            target[t["features"][i]] += y
+        return gram, target
+
+    def _prior_variances(self, spread: float | np.ndarray) -> np.ndarray:
+        """Each feature's prior variance: the knob corrections' ``spread`` squared, the scale's flat."""
+        variances = np.broadcast_to(np.asarray(spread, dtype=float) ** 2, (self._tables()["width"],)).copy()
+        variances[-1] = self.SCALE_SPREAD**2
+        return variances
+
     def spreads(self, rows: list[int], residuals: np.ndarray) -> tuple[float, float]:
         """The knob corrections' spread that explains the measurements best (their marginal
-        likelihood, the overall scale integrated out), and the largest one they do not rule out
-        (its likelihood within the 95 % bound of a likelihood-ratio test), among :data:`SPREADS`.
-        Before two measurements nothing tells the spread: the least (the cost model is taken as
-        right until measurements disagree with it) and the most."""
+        likelihood), and the largest one they do not rule out (its likelihood within the 95 %
+        bound of a likelihood-ratio test), among :data:`SPREADS`. Before two measurements nothing
+        tells the spread (one fixes only the scale): the least (the cost model is taken as right
+        until measurements disagree with it) and the most."""
         if len(rows) < 2:
             return float(SPREADS[0]), float(SPREADS[-1])
-        t = self._tables()
-        design = np.zeros((len(rows), t["width"]))
-        np.put_along_axis(design, t["features"][rows], 1.0, axis=1)
-        # the contrasts between measurements (orthogonal to a constant: the scale drops out)
-        contrasts = np.linalg.qr(np.ones((len(rows), 1)), mode="complete")[0][:, 1:]
-        eigen, basis = np.linalg.eigh(contrasts.T @ design[:, :-1] @ design[:, :-1].T @ contrasts)
-        z2 = (basis.T @ contrasts.T @ residuals) ** 2
-        # residual contrasts ~ N(0, spread^2 G + MISFIT^2 I), G = U diag(eigen) U'
-        variance = SPREADS[:, None] ** 2 * np.maximum(eigen, 0.0)[None, :] + self.MISFIT**2
-        log_likelihood = -0.5 * np.sum(np.log(variance) + z2[None, :] / variance, axis=1)
-        best = int(np.argmax(log_likelihood))  # exact ties (nothing told): the least
+        gram, target = self._normal_equations(rows, residuals)
+        log_likelihood = []
+        for spread in SPREADS:
+            # y ~ N(0, X D X' + MISFIT^2 I): by the determinant lemma and Woodbury's identity, with
+            # M = X'X + MISFIT^2 D^-1, log det = log det D + log det M + const and
+            # y' C^-1 y = (y'y - y'X M^-1 X'y) / MISFIT^2, y'y the same for every spread
+            variances = self._prior_variances(spread)
+            m = gram + np.diag(self.MISFIT**2 / variances)
+            log_likelihood.append(-0.5 * (np.log(variances).sum() + np.linalg.slogdet(m)[1]
+                                          - target @ np.linalg.solve(m, target) / self.MISFIT**2))
+        log_likelihood = np.array(log_likelihood)
+        best = int(np.argmax(log_likelihood))  # ties: the least
         plausible = np.nonzero(log_likelihood >= log_likelihood[best] - LIKELIHOOD_RATIO_95 / 2)[0]
         return float(SPREADS[best]), float(SPREADS[plausible.max()])
 
@@ -330,22 +347,16 @@ class Guided(OrderedSampler):
         """The corrected log-throughput of the points of indices ``points``, its standard
         deviation (of the point's throughput, not of a trial's measurement), and the best measured
         log-throughput (None before any); the knob corrections' spread the most likely one
-        (:meth:`spreads`) unless ``spread`` is given."""
+        (:meth:`spreads`) unless ``spread`` is given (one per feature, or one for all)."""
         t = self._tables()
-        features, width = t["features"], t["width"]
         rows, residuals, best = self._measured(known)
         if spread is None:
             spread = self.spreads(rows, residuals)[0]
-        # the posterior's precision: the prior's, plus each measurement's, in units of MISFIT^-2
-        precision = np.full(width, (self.MISFIT / spread) ** 2)
-        precision[-1] = (self.MISFIT / self.SCALE_SPREAD) ** 2
-        gram, target = np.diag(precision), np.zeros(width)
-        for i, y in zip(rows, residuals):
-            gram[np.ix_(features[i], features[i])] += 1.0
-            target[features[i]] += y
-        covariance = np.linalg.inv(gram) * self.MISFIT**2
+        gram, target = self._normal_equations(rows, residuals)
+        # the posterior: precision X'X / MISFIT^2 + D^-1, mean its inverse times X'y / MISFIT^2
+        covariance = np.linalg.inv(gram + np.diag(self.MISFIT**2 / self._prior_variances(spread))) * self.MISFIT**2
         weights = covariance @ target / self.MISFIT**2
-        features, log_prior = features[points], t["log_prior"][points]
+        features, log_prior = t["features"][points], t["log_prior"][points]
         corrected = log_prior + weights[features].sum(axis=1)
         variance = np.concatenate([covariance[f[:, :, None], f[:, None, :]].sum(axis=(1, 2))  # x' S x, by chunks
                                    for f in np.array_split(features, max(1, len(features) // 20000))])
