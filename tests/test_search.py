@@ -27,6 +27,7 @@ from benchmarks.search_strategies import (
 from runners.replay import ReplayRunner
 from slapo_tune.plan import TrialStatus
 from slapo_tune.search import DEFAULT_STRATEGY, STRATEGIES, TuneConfig
+from slapo_tune.search._known import Known
 from slapo_tune.search._samplers import Guided, RandomSearch
 from slapo_tune.space import point_key
 
@@ -51,8 +52,8 @@ def test_tpe_trials_to_3_percent_over_seeds(grid):
     """TPE depends on its seed, so its claim is a distribution over seeds (a search that misses
     counts as a miss, never dropped): over 4 seeds, every search reaches 3 % of the optimum within
     three times the limit (20 % of the feasible points), and the censored median within twice the
-    limit. Seen over 20 seeds (benchmarks.search_strategies): median 23, p25 13, p75 43 trials:
-    TPE alone does not meet the limit reliably (the default, guided, needs 5)."""
+    limit. Seen over 20 seeds (benchmarks.search_strategies): median 34, p25 27, p75 52 trials:
+    TPE alone does not meet the limit reliably (the default, guided, needs 3)."""
     results, budget, optimum, limit = grid
     counts = [trials_to_within(search("tpe", seed, "analytic", results, budget, trials=3 * limit)[0], optimum)
               for seed in SEEDS]
@@ -69,7 +70,7 @@ def _optimum(results) -> float:
 def test_the_default_strategy_needs_fewer_trials_than_the_cost_models_ranking(grid_name):
     """The default (guided: the cost model's ranking corrected by each measurement) comes within
     3 % of each recorded grid's optimum in fewer trials than the ranking alone (measured: 3 vs 9 on
-    the small grid, 7 vs 16 on the reference grid), and launches the same points for any seed."""
+    the small grid, 3 vs 16 on the reference grid), and launches the same points for any seed."""
     assert DEFAULT_STRATEGY == "guided" and TuneConfig.__dataclass_fields__["strategy"].default == "guided"
     results, budget = load_grid(grid_name)
     cap = 3 * int(0.2 * sum(r.status == "ok" for r in results))
@@ -84,7 +85,7 @@ def test_the_default_strategy_needs_fewer_trials_than_the_cost_models_ranking(gr
 def test_guided_corrects_a_wrong_time_model_where_the_ranking_alone_is_misled():
     """Each seed multiplies the time model's predictions by a fixed factor between 1/2 and 2 per
     knob value: over the same seeds guided's censored median of trials to within 3 % is below the
-    ranking's (measured over 20 seeds on the small grid: 10 vs 20)."""
+    ranking's (measured over 20 seeds on the small grid: 8 vs 20)."""
     results, budget = load_grid(SMALL)
     optimum, cap = _optimum(results), 3 * int(0.2 * sum(r.status == "ok" for r in results))
     medians = {}
@@ -150,6 +151,85 @@ def test_guided_learns_a_knob_values_correction_and_stops_when_nothing_can_win(g
     known_most = Known({k: TrialStatus.OK for k in list(values)[:-1]}, dict(list(values.items())[:-1]), {},
                        len(values) - 1)
     assert sampler.next_point(known_most) is None and sampler.stopped_early
+
+
+def _measured_at(table, indices, factor, running=()) -> Known:
+    """A study that measured the points of ``indices`` at their predicted throughput times
+    ``factor(point)``, and runs those of ``running``."""
+    values = {table["keys"][i]: [float(np.exp(table["log_prior"][i])) * factor(table["points"][i])] for i in indices}
+    return Known({k: TrialStatus.OK for k in values}, values,
+                 {table["keys"][j]: n for n, j in enumerate(running)}, len(values))
+
+
+def test_guided_learns_how_wrong_the_time_model_is(grid):
+    """The knob corrections' spread is learned from the measurements: measurements that agree with
+    the cost model (up to an overall scale) keep it at the least, so the model's ranking is
+    followed; measurements off by a factor between 1/2 and 2 per knob value raise it to about
+    that factor's spread (0.4 in log), and the largest spread they allow is at least as large."""
+    from benchmarks.search_strategies import perturbation
+    from slapo_tune.search._samplers import SPREADS
+
+    results, budget, _, _ = grid
+    tuner, _ = replay_tuner("guided", 0, "analytic", results, budget, trials=1)
+    sampler: Guided = tuner.sampler
+    table = sampler._tables()
+    top = [int(i) for i in np.argsort(-table["log_prior"])[:30]]
+    right = sampler._measured(_measured_at(table, top, lambda p: 0.2))
+    assert sampler.spreads(*right[:2])[0] == SPREADS[0]
+    wrong = perturbation(0)
+    fitted, largest = sampler.spreads(*sampler._measured(_measured_at(table, top, wrong))[:2])
+    assert 0.2 < fitted <= largest, (fitted, largest)
+
+
+def test_guided_does_not_stop_while_a_knob_value_is_unmeasured(grid):
+    """Measurements that agree with the cost model say its corrections are small, but only for the
+    knob values they have: with every point measured as predicted except those of one knob value,
+    all predicted well below the best, the search goes on to that value (nothing bounds its
+    correction); once one of them is measured as predicted too, none left can win and it stops.
+    (The points predicted over the budget are running, out of the way.)"""
+    results, budget, _, _ = grid
+    tuner, _ = replay_tuner("guided", 0, "analytic", results, budget, trials=1)
+    sampler: Guided = tuner.sampler
+    table = sampler._tables()
+    prior, points = table["log_prior"], table["points"]
+    fits = np.isfinite(prior) & (table["peak"] <= budget)
+    values = {(k, v) for p in points for k, v in p.items()}
+    slow = next((k, v) for k, v in sorted(values, key=str) if len({p[k] for p in points}) > 1
+                and all(prior[i] < prior[fits].max() - 0.5 for i in np.nonzero(fits)[0] if points[i][k] == v))
+    unmeasured = [int(i) for i in np.nonzero(fits)[0] if points[i][slow[0]] == slow[1]]
+    rest = [int(i) for i in np.nonzero(fits)[0] if points[i][slow[0]] != slow[1]]
+    running = [i for i in range(len(points)) if i not in rest and i not in unmeasured]  # the others: out of the way
+    chosen = sampler.next_point(_measured_at(table, rest, lambda p: 1.0, running))
+    assert chosen is not None and chosen[slow[0]] == slow[1] and not sampler.stopped_early, slow
+    one = table["index"][point_key(chosen)]
+    assert sampler.next_point(_measured_at(table, rest + [one], lambda p: 1.0, running)) is None
+    assert sampler.stopped_early
+    assert len(unmeasured) > 1
+
+
+def test_guided_tells_tied_points_apart_with_the_one_least_like_the_measured():
+    """Points the cost model predicts alike (knobs it does not see: on the reference grid, the
+    attention kernel and fusion on a CPU) are tied; once the best predicted one is measured as
+    predicted, the tied point it tries first is the one that differs from it in the most knobs:
+    its measurement says the most about the rest (the other points are running here)."""
+    from benchmarks.search_strategies import REFERENCE
+
+    results, budget = load_grid(REFERENCE)
+    tuner, _ = replay_tuner("guided", 0, "analytic", results, budget, trials=1, grid=REFERENCE)
+    sampler: Guided = tuner.sampler
+    table = sampler._tables()
+    first = sampler.next_point(Known({}, {}, {}, 0))
+    i = table["index"][point_key(first)]
+    prior = table["log_prior"]
+    tied = [j for j in range(len(prior)) if j != i and prior[j] == prior[i]]
+
+    def differ(j: int) -> int:
+        return sum(table["points"][j][k] != first[k] for k in first)
+
+    assert len({differ(j) for j in tied}) > 1, "tied points that differ from the first in more or fewer knobs"
+    others = [j for j in range(len(prior)) if j != i and j not in tied]
+    chosen = table["index"][point_key(sampler.next_point(_measured_at(table, [i], lambda p: 1.0, others)))]
+    assert chosen in tied and differ(chosen) == max(differ(j) for j in tied), (table["points"][chosen], first)
 
 
 @pytest.mark.parametrize("storage,strategy", [("sqlite", "guided"), ("journal", "tpe"), ("postgresql", "guided")])

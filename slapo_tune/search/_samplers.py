@@ -217,30 +217,42 @@ class Frontier(OrderedSampler):
 class Guided(OrderedSampler):
     """The cost model's ranking, corrected by what the study measured (the default strategy).
 
-    Each point's predicted throughput is the prior; every measured point corrects it: the log of
-    measured over predicted throughput is fitted (ridge regression, shrunk towards the prior) as a
-    sum of one correction per knob value, so a time model that misjudges a knob (a kernel, a GPU's
-    communication) is corrected for every point with that value after a few trials. The next
-    point is the best corrected prediction plus a bonus for what the measurements have not pinned
-    down yet (the regression's uncertainty at the point: unseen knob values), among the points not
-    known and not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`). Points
-    the cost model says cannot fit come last. The search stops early once no remaining point can
-    beat the best measured one by more than the noise, even at the optimistic end of its
-    uncertainty. A point predicted to need more than the budget (yet not pruned: the memory
-    model's optimistic end fits) counts by its expected throughput: its score adds the log of its
-    chance to fit, the memory model's error taken as normal with :attr:`MEMORY_SPREAD`. A measured
-    out-of-memory point (or one exact mode pruned) puts every point predicted to need as much
-    memory after the others. Deterministic: exact ties go to the first point in the space's order (as
+    The log of a point's measured throughput is modelled as its predicted one, plus the time
+    model's overall scale (unknown and not shrunk: a calibration off by 2x moves every point
+    alike), plus one correction per knob value (a kernel or a GPU's communication misjudged
+    moves every point with that value), plus what such corrections cannot explain
+    (:attr:`MISFIT`). The corrections' prior is normal around 0; its spread is learned from the
+    measurements (:meth:`spreads`: the one of greatest marginal likelihood, starting from the
+    least, the cost model taken as right until measurements disagree with it, so that a model
+    that is right is followed and one that is badly wrong is soon doubted). Bayesian linear (ridge)
+    regression then gives every point's corrected log-throughput and its uncertainty.
+
+    The next point is the one of greatest expected improvement over the best measured one (its
+    chance to beat it, weighed by how much). Among points tied in prediction, the one least like
+    the measured ones is worth most (its measurement tells them apart); a point far from the
+    measured ones is worth trying once the measurements say the model's corrections are large.
+    Before the first measurement, the best predicted point comes first. Candidates are the points
+    not known and not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`). A
+    point predicted to need more than the budget (yet not pruned: the memory model's optimistic
+    end fits) counts by its chance to fit: its expected improvement is multiplied by it, the
+    memory model's error taken as normal with :attr:`MEMORY_SPREAD`. A measured out-of-memory
+    point (or one exact mode pruned) puts every point predicted to need as much memory after the
+    others.
+
+    The search stops early once no open point can beat the best measured one by more than the
+    noise even :attr:`STOP` standard deviations above its corrected prediction, at the largest
+    spread the measurements do not rule out (and the largest assumed for a knob value none of
+    them has). Deterministic: exact ties go to the first point in the space's order (as
     ``model``'s), whatever the seed."""
 
-    RIDGE = 1.0  # pseudo-observations per knob value: how far one measurement moves a correction
-    EXPLORE = 1.0  # the bonus, in standard deviations of a point's corrected log-throughput
-    STOP = 2.0  # stop when even this many standard deviations above cannot beat the best by NOISE
+    # what one correction per knob value leaves unexplained in a measured log-throughput: the
+    # knobs' interactions and the trial's noise (an additive fit of each recorded grid leaves 10-14 %)
+    MISFIT = 0.1
+    STOP = 3.0  # stop when even this many standard deviations above cannot beat the best by NOISE
     NOISE = 0.03  # relative step-time noise of a trial (a short trial's spread on a busy machine)
-    PRIOR_SPREAD = 0.3  # the time model's log-error assumed before measurements tell it (about 35 %)
-    PRIOR_WEIGHT = 4  # measurements the assumed spread counts as (a few fitted points are overconfident)
     MIN_MEASURED = 4  # measured points before the search may stop early
     MEMORY_SPREAD = 0.05  # relative error of a predicted peak (the analytic model's, within 10 % at worst)
+    SCALE_SPREAD = 1e3  # the overall scale's prior standard deviation: flat, whatever the time model's units
 
     def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
                  known: KnownReader | None = None, peak: Callable[[Point], float] | None = None) -> None:
@@ -252,64 +264,103 @@ class Guided(OrderedSampler):
         self.stopped_early = False
 
     def _tables(self) -> dict[str, Any]:
-        """The space's points in a seeded order, each one's log prior, its features (one column
-        index per knob: the knob's value) and frontier group; built once (the space is fixed)."""
+        """The space's points in the space's order, each one's log prior, its features (one column
+        index per knob: the knob's value, and a last column every point has: the overall scale) and
+        frontier group; built once (the space is fixed)."""
         if self._table is None:
             points = list(self.space.enumerate())  # exact ties go to the first in the space's order
             prior = np.array([self.rank(p) for p in points], dtype=float)
             columns: dict[tuple[str, str], int] = {}
             features = np.array([[columns.setdefault((k, str(v)), len(columns)) for k, v in sorted(p.items())]
                                  for p in points], dtype=np.int64).reshape(len(points), -1)
+            features = np.hstack([features, np.full((len(points), 1), len(columns), dtype=np.int64)])
             plans = [Plan.of(p, self.problem.workload) for p in points]
             groups: dict[Plan, int] = {}
             self._table = {
                 "points": points, "keys": [point_key(p) for p in points],
                 "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
                 "peak": np.array([self.peak(p) for p in points], dtype=float),
-                "features": features, "width": len(columns),
+                "features": features, "width": len(columns) + 1,
                 "group": [groups.setdefault(_others(plan), len(groups)) for plan in plans],
                 "mb": [plan.micro_batch for plan in plans], "ckpt": [plan.ckpt_ratio for plan in plans],
             }
             self._table["index"] = {key: i for i, key in enumerate(self._table["keys"])}
         return self._table
 
-    def scores(self, known: Known, points: np.ndarray) -> tuple[np.ndarray, np.ndarray, float | None]:
-        """The corrected log-throughput of the points of indices ``points``, its standard
-        deviation, and the best measured log-throughput (None before any)."""
+    def _measured(self, known: Known) -> tuple[list[int], np.ndarray, float | None]:
+        """The indices of the measured points the cost model predicts, the log of their measured
+        over predicted throughput, and the best measured log-throughput (None before any)."""
         t = self._tables()
-        index, features, log_prior = t["index"], t["features"], t["log_prior"]
         rows, residuals, best = [], [], None
         for key, values in known.values.items():
-            i = index.get(key)
+            i = t["index"].get(key)
             if i is None or known.status.get(key) is not TrialStatus.OK or not values or values[0] <= 0:
                 continue
             measured = math.log(values[0])
             best = measured if best is None else max(best, measured)
-            if np.isfinite(log_prior[i]):
+            if np.isfinite(t["log_prior"][i]):
                 rows.append(i)
-                residuals.append(measured - log_prior[i])
-        width = t["width"]
-        gram = self.RIDGE * np.eye(width)
-        target = np.zeros(width)
-        offset, spread = 0.0, self.PRIOR_SPREAD
-        if rows:
-            r = np.array(residuals)
-            offset = float(r.mean())  # the time model's overall scale: not shrunk
-            for i, y in zip(rows, r - offset):
-                gram[np.ix_(features[i], features[i])] += 1.0
-                target[features[i]] += y
-        inverse = np.linalg.inv(gram)
-        weights = inverse @ target
-        if rows:  # the prior's error around its scale, pooled with the assumed one as PRIOR_WEIGHT measurements
-            # (not the fit's residuals: with a correction per knob value a few points fit too well)
-            squares = float(np.sum((np.array(residuals) - offset) ** 2))
-            spread = max(self.NOISE, math.sqrt((self.PRIOR_WEIGHT * self.PRIOR_SPREAD**2 + squares)
-                                               / (self.PRIOR_WEIGHT + len(rows))))
-        features, log_prior = features[points], log_prior[points]
-        corrected = log_prior + offset + weights[features].sum(axis=1)
-        variance = np.concatenate([inverse[f[:, :, None], f[:, None, :]].sum(axis=(1, 2))  # x' A^-1 x, by chunks
+                residuals.append(measured - t["log_prior"][i])
+        return rows, np.array(residuals), best
+
+    def _normal_equations(self, rows: list[int], residuals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """X'X and X'y of the measured points' features X and residuals y (of the size of the
+        features, whatever the number of measurements)."""
+        t = self._tables()
+        gram, target = np.zeros((t["width"], t["width"])), np.zeros(t["width"])
+        for i, y in zip(rows, residuals):
+            gram[np.ix_(t["features"][i], t["features"][i])] += 1.0
+            target[t["features"][i]] += y
+        return gram, target
+
+    def _prior_variances(self, spread: float | np.ndarray) -> np.ndarray:
+        """Each feature's prior variance: the knob corrections' ``spread`` squared, the scale's flat."""
+        variances = np.broadcast_to(np.asarray(spread, dtype=float) ** 2, (self._tables()["width"],)).copy()
+        variances[-1] = self.SCALE_SPREAD**2
+        return variances
+
+    def spreads(self, rows: list[int], residuals: np.ndarray) -> tuple[float, float]:
+        """The knob corrections' spread that explains the measurements best (their marginal
+        likelihood), and the largest one they do not rule out (its likelihood within the 95 %
+        bound of a likelihood-ratio test), among :data:`SPREADS`. Before two measurements nothing
+        tells the spread (one fixes only the scale): the least (the cost model is taken as right
+        until measurements disagree with it) and the most."""
+        if len(rows) < 2:
+            return float(SPREADS[0]), float(SPREADS[-1])
+        gram, target = self._normal_equations(rows, residuals)
+        log_likelihood = []
+        for spread in SPREADS:
+            # y ~ N(0, X D X' + MISFIT^2 I): by the determinant lemma and Woodbury's identity, with
+            # M = X'X + MISFIT^2 D^-1, log det = log det D + log det M + const and
+            # y' C^-1 y = (y'y - y'X M^-1 X'y) / MISFIT^2, y'y the same for every spread
+            variances = self._prior_variances(spread)
+            m = gram + np.diag(self.MISFIT**2 / variances)
+            log_likelihood.append(-0.5 * (np.log(variances).sum() + np.linalg.slogdet(m)[1]
+                                          - target @ np.linalg.solve(m, target) / self.MISFIT**2))
+        log_likelihood = np.array(log_likelihood)
+        best = int(np.argmax(log_likelihood))  # ties: the least
+        plausible = np.nonzero(log_likelihood >= log_likelihood[best] - LIKELIHOOD_RATIO_95 / 2)[0]
+        return float(SPREADS[best]), float(SPREADS[plausible.max()])
+
+    def scores(self, known: Known, points: np.ndarray,
+               spread: float | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float | None]:
+        """The corrected log-throughput of the points of indices ``points``, its standard
+        deviation (of the point's throughput, not of a trial's measurement), and the best measured
+        log-throughput (None before any); the knob corrections' spread the most likely one
+        (:meth:`spreads`) unless ``spread`` is given (one per feature, or one for all)."""
+        t = self._tables()
+        rows, residuals, best = self._measured(known)
+        if spread is None:
+            spread = self.spreads(rows, residuals)[0]
+        gram, target = self._normal_equations(rows, residuals)
+        # the posterior: precision X'X / MISFIT^2 + D^-1, mean its inverse times X'y / MISFIT^2
+        covariance = np.linalg.inv(gram + np.diag(self.MISFIT**2 / self._prior_variances(spread))) * self.MISFIT**2
+        weights = covariance @ target / self.MISFIT**2
+        features, log_prior = t["features"][points], t["log_prior"][points]
+        corrected = log_prior + weights[features].sum(axis=1)
+        variance = np.concatenate([covariance[f[:, :, None], f[:, None, :]].sum(axis=(1, 2))  # x' S x, by chunks
                                    for f in np.array_split(features, max(1, len(features) // 20000))])
-        return corrected, spread * np.sqrt(np.maximum(variance, 0.0)), best
+        return corrected, np.sqrt(np.maximum(variance, 0.0)), best
 
     def _open(self, known: Known) -> list[int]:
         """Indices of the points neither known nor beyond a measured frontier."""
@@ -339,17 +390,46 @@ class Guided(OrderedSampler):
         candidates = np.array(open_)
         corrected, deviation, best = self.scores(known, candidates)
         measured = sum(1 for s in known.status.values() if s is TrialStatus.OK)
-        can_beat = corrected + self.STOP * deviation > (best or 0.0) + math.log1p(self.NOISE)
-        if best is not None and measured >= self.MIN_MEASURED and not np.any(can_beat):
-            self.stopped_early = True
-            return None
-        score = corrected + self.EXPLORE * deviation + self._log_chance_to_fit(t["peak"][candidates])
+        if best is None:  # nothing measured to improve on: the best predicted
+            score = corrected
+        else:
+            if measured >= self.MIN_MEASURED:
+                # at the largest spread the measurements allow; a knob value none of them has, at
+                # the largest assumed (nothing bounds its correction)
+                rows, residuals, _ = self._measured(known)
+                spread = np.full(t["width"], SPREADS[-1])
+                spread[np.unique(t["features"][rows])] = self.spreads(rows, residuals)[1]
+                wide, far, _ = self.scores(known, candidates, spread)
+                if not np.any(wide + self.STOP * far > best + math.log1p(self.NOISE)):
+                    self.stopped_early = True
+                    return None
+            score = log_expected_improvement(corrected, deviation, best)
+        score = score + self._log_chance_to_fit(t["peak"][candidates])
         # a measured out-of-memory point (or one exact mode pruned: analytic mode let it through)
         # says the memory model is optimistic up to its predicted peak: the points predicted to need
         # as much or more are tried after every other
         ooms = [t["index"][k] for k, s in known.status.items() if s.infeasible and k in t["index"]]
-        if ooms:
-            score = np.where(t["peak"][candidates] >= min(t["peak"][i] for i in ooms), score - 1e6, score)
-        if not np.any(np.isfinite(score)):  # only points the cost model says cannot fit: in the space's order
-            return t["points"][int(candidates[0])]
-        return t["points"][int(candidates[int(np.argmax(score))])]
+        behind = t["peak"][candidates] >= min((t["peak"][i] for i in ooms), default=np.inf)
+        # the best score first; lexsort is stable: exact ties (and points the cost model says cannot
+        # fit, -inf) in the space's order
+        return t["points"][int(candidates[np.lexsort((-score, behind))[0]])]
+
+
+# the knob corrections' spreads :meth:`Guided.spreads` chooses among: from a trial's noise (3 %) to
+# a factor of 4 either way (a time model badly wrong about a knob value)
+SPREADS = np.geomspace(0.03, math.log(4), 40)
+LIKELIHOOD_RATIO_95 = 3.84  # the chi-square (1 degree of freedom) 95 % point: twice a log-likelihood ratio
+
+
+def log_expected_improvement(mean: np.ndarray, deviation: np.ndarray, best: float) -> np.ndarray:
+    """log E[max(0, X - best)] of normal X of ``mean`` and ``deviation`` (elementwise): log of
+    s (phi(z) + z Phi(z)), z = (mean - best) / s. Far below the best (z < -6), the tail's
+    expansion phi(z) (1/z^2 - 3/z^4), where the direct form loses every digit."""
+    s = np.maximum(deviation, 1e-12)
+    z = (mean - best) / s
+    log_phi = -0.5 * z**2 - 0.5 * math.log(2 * math.pi)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cdf = 0.5 * np.vectorize(math.erfc)(-z / math.sqrt(2))
+        direct = np.log(np.maximum(np.exp(log_phi) + z * cdf, 1e-300))
+        tail = log_phi - 2 * np.log(np.abs(z)) + np.log1p(-3 / z**2)
+    return np.log(s) + np.where(z < -6, tail, direct)
