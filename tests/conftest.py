@@ -28,18 +28,33 @@ tempfile.tempdir = _SESSION_TMP
 # Nothing from the user's cache (calibrations, layouts, the measured CPU) reaches the tests: a
 # session cache holding only the description of the CPU the recorded grids were measured on, so
 # that cost-model rankings do not depend on this machine's load while it measures itself.
-_CACHE = os.path.join(_SESSION_TMP, "cache")
-os.makedirs(_CACHE)
-shutil.copy(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "data", "cpu.json"), _CACHE)
+# One such cache for the whole run, pytest-xdist's workers included (they inherit the controller's
+# environment): a model's layout, measured by a probe of several seconds, is the same in every
+# process (written atomically), so it is measured once, not once per worker.
+_SHARED_CACHE = "SLAPO_TUNE_TESTS_CACHE"
+if os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ.get(_SHARED_CACHE, "")):
+    _CACHE = os.environ[_SHARED_CACHE]  # in the controller's session dir, removed when the controller ends
+else:
+    _CACHE = os.path.join(_SESSION_TMP, "cache")
+    os.makedirs(_CACHE)
+    shutil.copy(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "data", "cpu.json"), _CACHE)
+    os.environ[_SHARED_CACHE] = _CACHE
 os.environ["SLAPO_TUNE_CACHE"] = _CACHE
 
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import helpers from this folder
 
 
-# The slowest files first (seconds measured on 2 cores under `make test`: 360, 210, 200, 145, 135,
-# 110): the two xdist workers take whole files in this order and so finish at about the same time.
-_SLOWEST_FIRST = ("test_tune.py", "test_cost_model.py", "test_train.py", "test_templates_verify.py",
-                  "test_runners.py", "test_faults.py")
+# The slowest files first, longest first (each file alone on an idle 2-core machine: from 146 s for
+# test_search down to 12 s; the files not named take less), so that the two xdist workers, which
+# take whole files in this order, finish at about the same time. (xdist's own order, the files of
+# most tests first, is turned off in pytest_configure.)
+_SLOWEST_FIRST = ("test_search.py", "test_ray_runner.py", "test_train.py", "test_templates_verify.py",
+                  "test_cost_model.py", "test_faults.py", "test_tune.py", "test_gpu_check.py", "test_zero.py",
+                  "test_postgres.py", "test_cost_model_techniques.py", "test_time_model.py",
+                  "test_sequence_parallel.py", "test_tensor_parallel.py", "test_launch.py", "test_runners.py",
+                  "test_selective_checkpoint.py", "test_parallel_3d.py", "test_user_space.py", "test_interleaved.py",
+                  "test_paper_tables.py", "test_probe_precision.py", "test_plan_speed.py", "test_what_a_user_sees.py",
+                  "test_cli.py", "test_device.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -48,6 +63,10 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_configure(config):
+    # --dist loadfile deals the files out by their number of tests, most first, unless told not to:
+    # a long file of few tests (a Ray cluster's, the GPU check's one) then started last and ran alone
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems above
     # The multiprocessing resource tracker is a long-lived helper of this process, started by the
     # first spawned rank; start it now so that it never counts as a process left behind by a test.
     from multiprocessing import resource_tracker
@@ -107,12 +126,13 @@ def fake_group():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
     """A two-node local Ray cluster (2 logical CPUs each, dashboard on 127.0.0.1) with token
     authentication (the token in its HOME's ~/.ray/auth_token), as Ray 2.60 clusters run, for
-    this test session only: its own temp dir and HOME, shut down at the end of the session. Its
-    health checks declare a dead node in about 10 s (Ray's default: about 30 s)."""
+    the tests of one file: its own temp dir and HOME, shut down after the file's last test (not
+    at the end of the session: idle, its nodes still took 7 % of a core from the files after it).
+    Its health checks declare a dead node in about 10 s (Ray's default: about 30 s)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 

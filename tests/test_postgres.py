@@ -63,7 +63,8 @@ def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_pat
     secret_dir, logs, out = tmp_path / "secret", tmp_path / "logs", tmp_path / "out"
     storage_file = secret_dir / "storage.url"
     cache = tmp_path / "cache"  # whatever the runs write, they write under tmp_path: grep sees it all
-    shutil.copytree(os.environ["SLAPO_TUNE_CACHE"], cache)
+    # (not the temporary files of a write in progress: the other xdist worker shares the session's cache)
+    shutil.copytree(os.environ["SLAPO_TUNE_CACHE"], cache, ignore=shutil.ignore_patterns("*.tmp"))
     for folder in (secret_dir, logs, tmp_path / "home", tmp_path / "tmp"):
         folder.mkdir()
     storage_file.write_text(f"# the study's database\n{url}\n")

@@ -63,7 +63,8 @@ def test_illegal_knobs_are_invalid_without_launching(no_leftover_children):
 
 @pytest.mark.parametrize("fault,status,limit,message", [
     ("Raises", "crash", 120, "rank 1 raised RuntimeError: injected failure in block 0"),
-    ("Hangs", "timeout", 25, "timed out after 25 s"),
+    # (a trial reaches its fault within 2 s on an idle machine: the limit leaves it 5x that)
+    ("Hangs", "timeout", 10, "timed out after 10 s"),
     ("KilledMidStep", "crash", 120, "rank 1 died (signal 9)"),
 ])
 def test_failing_rank_is_reported_and_the_next_trial_runs(fault, status, limit, message, no_leftover_children):

@@ -105,17 +105,18 @@ def _listening(pids: list[int]) -> set[tuple[str, str, int]]:
     """(process name, address, port) of every listening TCP socket of ``pids`` and their descendants."""
     import psutil
 
-    processes = []
+    processes: dict[int, psutil.Process] = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            processes.append(psutil.Process(pid))
-            processes += processes[-1].children(recursive=True)
+            processes[pid] = psutil.Process(pid)
+            processes.update((child.pid, child) for child in processes[pid].children(recursive=True))
     found = set()
-    for process in processes:  # (one that ended meanwhile has nothing to show)
-        with contextlib.suppress(psutil.Error):
-            name = process.name()
-            found |= {(name, c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="tcp")
-                      if c.status == psutil.CONN_LISTEN}
+    # one pass over the machine's sockets, not one per process (each pass parses all of them, Ray's
+    # many): per process, watching took 6 s of CPU from the trials it watched, 7x what this takes
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in processes:
+            with contextlib.suppress(psutil.Error):  # (one that ended meanwhile has nothing to show)
+                found.add((processes[c.pid].name(), c.laddr.ip, c.laddr.port))
     return found
 
 
