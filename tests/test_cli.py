@@ -136,15 +136,9 @@ def test_demo_runs_another_template_and_refuses_a_world_it_cannot_split(capsys):
     assert "tp must divide 8 heads, 4 KV heads" in err, err
 
 
-def test_show_fits_100_columns_marks_the_best_and_names_units(tmp_path, capsys):
-    """A study's folder as the tuner writes it (trials.csv, best_schedule.json): ``show`` prints one
-    line per trial within 100 columns, the varying knobs only ("-" where a knob does nothing), sizes
-    with units against the budget, the best row marked; ``--csv`` is the table itself."""
-    import csv as csv_module
-
+def _small_study():
+    """A problem and a study of three told trials (two ok, one pruned), as the tuner tells them."""
     import optuna
-
-    from slapo_tune.search._outputs import Outputs
 
     problem = ProblemSpec("gpt2-tiny", 2, global_batch=8, seq_len=32, memory_budget=16 * 2**20).resolve()
     study = optuna.create_study(direction="maximize")
@@ -160,6 +154,46 @@ def test_show_fits_100_columns_marks_the_best_and_names_units(tmp_path, capsys):
             attrs["reason"] = reason
         state = optuna.trial.TrialState.COMPLETE if rate else optuna.trial.TrialState.PRUNED
         study.add_trial(optuna.trial.create_trial(state=state, value=rate, user_attrs=attrs))
+    return problem, study
+
+
+def test_the_report_is_drawn_once_the_study_has_run_a_while_and_at_its_end(tmp_path, monkeypatch):
+    """Plots take seconds: told trials rewrite the tables at once, but the report only once the
+    study has run ``REPORT_INTERVAL`` seconds (a short study draws it once, at its end), then at
+    most every interval; ``finish`` always draws it."""
+    import time
+
+    from slapo_tune.search import _outputs
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    drawn = []
+    monkeypatch.setattr(_outputs, "write_report", lambda *args: drawn.append(clock[0]))
+    problem, study = _small_study()
+    outputs = _outputs.Outputs(tmp_path, problem, "guided")
+    trial = study.trials[0]
+    for seconds in (1.0, 5.0, _outputs.REPORT_INTERVAL - 7.0):  # told within the first interval
+        clock[0] += seconds
+        outputs(study, trial)
+    assert (tmp_path / "trials.csv").is_file() and drawn == []
+    clock[0] += 2.0  # the study has run the interval
+    outputs(study, trial)
+    assert drawn == [clock[0]]
+    clock[0] += 1.0
+    outputs(study, trial)  # not again within an interval
+    outputs.finish(study)
+    assert drawn == [clock[0] - 1.0, clock[0]]
+
+
+def test_show_fits_100_columns_marks_the_best_and_names_units(tmp_path, capsys):
+    """A study's folder as the tuner writes it (trials.csv, best_schedule.json): ``show`` prints one
+    line per trial within 100 columns, the varying knobs only ("-" where a knob does nothing), sizes
+    with units against the budget, the best row marked; ``--csv`` is the table itself."""
+    import csv as csv_module
+
+    from slapo_tune.search._outputs import Outputs
+
+    problem, study = _small_study()
     Outputs(tmp_path, problem, "guided").finish(study)
 
     assert main(["show", str(tmp_path)]) == 0

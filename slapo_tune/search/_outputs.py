@@ -82,12 +82,16 @@ REPORT_SHARE = 0.05
 class Outputs:
     """The output folder, as an Optuna-style callback: ``outputs(study, trial)`` after a told trial
     rewrites the tables and the best schedule, and the report (plots) at most every
-    ``REPORT_INTERVAL`` seconds; :meth:`finish` writes them all, the report included."""
+    ``REPORT_INTERVAL`` seconds, the first time once the study has run that long (a short study's
+    plots, seconds to draw, are drawn once, at its end); :meth:`finish` writes them all, the
+    report included."""
 
     def __init__(self, out: Path, problem: Problem, strategy: str, command: str | None = None) -> None:
         self.out, self.problem, self.strategy, self.command = out, problem, strategy, command
         self._schedule_written: tuple | None = None  # the trial best_schedule.json holds, and its confirmed figures
-        self._report_written: float | None = None  # when (time.monotonic) the report was last drawn
+        import time
+
+        self._report_written = time.monotonic()  # when the report was last drawn (or the outputs began)
         self._report_seconds = 0.0  # how long drawing it took
 
     def __call__(self, study: Study, trial: FrozenTrial) -> None:
@@ -118,7 +122,7 @@ class Outputs:
         now = time.monotonic()
         # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
         interval = max(REPORT_INTERVAL, self._report_seconds / REPORT_SHARE)
-        if report and (final or self._report_written is None or now - self._report_written >= interval):
+        if report and (final or now - self._report_written >= interval):
             write_report(self.out, frame, self.problem, study, self.strategy, best, confirmed, self.command)
             self._report_written, self._report_seconds = now, time.monotonic() - now
 
