@@ -9,7 +9,7 @@ per (device, family, precision). Time is analytic (compute, overheads, communica
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from .analytic import (
     LinearFeatures,
     MemoryPrediction,
     ModelLayout,
+    StageTerms,
     TimePrediction,
     _each,
     _flights,
@@ -170,18 +171,9 @@ class CostModel:
 
         points = [point for point, _ in groups]
         stages = [dominant_stages(self.layout, point) for point in points]
-        per_group = [len(s) for s in stages]
-        row_group = np.repeat(np.arange(len(groups)), per_group)
-        columns = {k: np.repeat(np.array([p[k] for p in points]), per_group) for k in points[0]}
-        columns[_STAGE] = np.array([s for per_group in stages for s in per_group])
+        row_group = np.repeat(np.arange(len(groups)), [len(s) for s in stages])
         read = {"pp", "ckpt_ratio", "vpp"}  # what dominant_stages reads
-
-        def run(batch: dict[str, Any]):
-            reads = _Reads({k: v for k, v in batch.items() if k != _STAGE})
-            st = stage_builder(self.layout, reads, self.workload, self.backend, linear=True)(batch[_STAGE])
-            read.update(reads.read)
-            return linear_terms(st, w, len(batch[_STAGE]))
-
+        batches = self._linear_stages(points, stages, lambda st, n: linear_terms(st, w, n), read)
         width = max(m.shape[1] for m in matrices)
         features = np.zeros((len(groups), matrices[0].shape[0], width))
         for g, m in enumerate(matrices):
@@ -191,7 +183,7 @@ class CostModel:
         totals = np.where(valid, -np.inf, 0.0)
         sizes = np.zeros((len(groups), width))  # the largest sum of the magnitudes of an event's terms, where one is negative
         unknown = np.zeros(len(groups), dtype=bool)  # a term without a feature
-        for rows, events in by_branches(columns, run):
+        for rows, events in batches:
             where = row_group[rows]
             if events is None:
                 unknown[where] = True
@@ -402,22 +394,39 @@ class CostModel:
             if key not in cache and key not in missing:
                 missing[key] = (p, stage)
         if missing:
-            todo = list(missing.values())
-            columns = {k: np.array([knob_value(p, k) for p, _ in todo]) for k in todo[0][0]}
-            columns[_STAGE] = np.array([stage for _, stage in todo])
-
-            def run(batch: dict[str, Any]):
-                st = stage_builder(self.layout, batch, self.workload, self.backend, linear=True)(batch[_STAGE])
+            def floors(st: StageTerms, n: int):
                 loss = st.moments.get("loss", {})  # there only when accumulating
-                n = len(batch[_STAGE])
                 states = sum(weights[k] * st.base.get(k, 0.0) for k in ("weights", "master", "optimizer", "constant"))
                 return np.broadcast_to(states, n), np.broadcast_to(weights["gradients"] * loss.get("gradients", 0.0), n)
 
             new = list(missing)
-            for rows, (states, gradients) in by_branches(columns, run):
+            todo = missing.values()
+            for rows, (states, gradients) in self._linear_stages([p for p, _ in todo], [[s] for _, s in todo], floors):
                 for r, s, g in zip(rows.tolist(), states.tolist(), gradients.tolist()):
                     cache[new[r]] = (s, g)
         return np.array([cache[key] for key in keys]).reshape(-1, 2)
+
+    def _linear_stages(self, points: Sequence[Mapping[str, Any]], stages: Sequence[Sequence[int]],
+                       evaluate: Callable[[StageTerms, int], Any], read: set[str] | None = None
+                       ) -> list[tuple[Any, Any]]:
+        """``evaluate(terms, rows)`` of the ``linear`` stage terms (:func:`~.analytic.stage_builder`)
+        of each of ``points`` at each of its ``stages``, every (point, stage) a row of one batch (the
+        knobs array columns; rows that branch apart run apart): ``(rows, result)`` per part, rows
+        numbered point by point, stage by stage. ``read`` gathers the knobs the stages read."""
+        import numpy as np
+
+        per_point = [len(s) for s in stages]
+        columns = {k: np.repeat(np.array([knob_value(p, k) for p in points]), per_point) for k in points[0]}
+        columns[_STAGE] = np.array([s for of_point in stages for s in of_point])
+
+        def run(batch: dict[str, Any]):
+            reads = _Reads({k: v for k, v in batch.items() if k != _STAGE})
+            terms = stage_builder(self.layout, reads, self.workload, self.backend, linear=True)(batch[_STAGE])
+            if read is not None:
+                read.update(reads.read)
+            return evaluate(terms, len(batch[_STAGE]))
+
+        return by_branches(columns, run)
 
     def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
         """Exact peak per stage (one fake step per stage)."""

@@ -23,6 +23,7 @@ per-layer activation formulas (:func:`megatron_activation_bytes`) are kept for c
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -1293,7 +1294,7 @@ def _nonzero(terms: dict[str, float]) -> dict[str, float]:
 
 
 def _at_least_zero(x):
-    return np.maximum(0.0, x) if isinstance(x, np.ndarray) else max(0.0, x)
+    return _max(0.0, x)
 
 
 # stage_builder's knobs may be array columns, one element per row (a point and a stage) of a batch
@@ -1449,25 +1450,24 @@ def linear_terms(st: StageTerms, weights: Mapping[str, float], n: int
     negative, the array of their magnitudes (the rounding of either sum is bounded by its
     product, no more by the total's). None where a term is unknown."""
     field = _TERM_FIELD
-    width = len(LinearFeatures._fields)
+    try:  # each term as (its feature, its weighted bytes)
+        base = [(field[k], weights[k] * v) for k, v in st.base.items()]
+        moments = [[(field[k], weights[k] * v) for k, v in terms.items()] for terms in st.moments.values()]
+    except KeyError:  # a term without a feature or a weight
+        return None
 
-    def matrix(magnitude: bool) -> np.ndarray:
-        base = np.zeros((n, width))
-        for k, v in st.base.items():
-            t = weights[k] * v
-            base[:, field[k]] += np.abs(t) if magnitude else t
-        events = np.repeat(base[:, None, :], len(st.moments), axis=1)
-        for j, terms in enumerate(st.moments.values()):
-            for k, v in terms.items():
-                t = weights[k] * v
-                events[:, j, field[k]] += np.abs(t) if magnitude else t
+    def matrix(size: Callable = lambda t: t) -> np.ndarray:
+        rows = np.zeros((n, len(LinearFeatures._fields)))
+        for f, t in base:
+            rows[:, f] += size(t)
+        events = np.repeat(rows[:, None, :], len(moments), axis=1)
+        for j, terms in enumerate(moments):
+            for f, t in terms:
+                events[:, j, f] += size(t)
         return events
 
-    terms = [*st.base.items(), *(item for moment in st.moments.values() for item in moment.items())]
-    if any(k not in field or k not in weights for k, _ in terms):
-        return None
-    negative = any(np.any(weights[k] * v < 0) for k, v in terms)
-    return matrix(False), matrix(True) if negative else None
+    negative = any(np.any(t < 0) for _, t in itertools.chain(base, *moments))
+    return matrix(), matrix(np.abs) if negative else None
 
 
 def _ckpt_positions(point: Mapping[str, Any], layout: ModelLayout, stage: int) -> frozenset[int]:
