@@ -122,3 +122,10 @@ def save_json(name: str, data: dict) -> Path:
     tmp.write_text(json.dumps(data, indent=2, default=str))
     os.replace(tmp, path)
     return path
+
+
+def publish(name: str, data: dict, section: list[str]) -> dict:
+    """A benchmark's end: its report section printed, its figures saved (``results/benchmarks/NAME.json``)."""
+    print("\n".join(section))
+    print(f"wrote {save_json(name, data)}")
+    return data

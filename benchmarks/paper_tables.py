@@ -39,7 +39,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks._stats import isolated_cache, save_json  # noqa: E402
+from benchmarks._stats import isolated_cache, publish  # noqa: E402
 
 GB = 1e9
 VOCAB, SEQ = 51200, 2048
@@ -251,9 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="three throughput rows, no plan ranking")
     args = parser.parse_args(argv)
     data = run(args.quick)
-    print("\n".join(report_section(data)))
-    print(f"wrote {save_json('paper_tables', data)}")
-    return data
+    return publish("paper_tables", data, report_section(data))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks._stats import round_orders, save_json
+from benchmarks._stats import publish, round_orders
 
 # (label, plan's arguments, target seconds or None)
 WORKLOADS = (
@@ -75,9 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=5, help="measured runs of each workload (default: %(default)s)")
     args = parser.parse_args(argv)
     data = run(args.rounds)
-    print("\n".join(report_section(data)))
-    print(f"wrote {save_json('plan_speed', data)}")
-    return data
+    return publish("plan_speed", data, report_section(data))
 
 
 if __name__ == "__main__":

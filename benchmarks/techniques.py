@@ -34,8 +34,8 @@ from benchmarks._stats import (  # noqa: E402
     alternate,
     isolated_cache,
     median_iqr,
+    publish,
     ratio_summary,
-    save_json,
 )
 
 WORLD, GLOBAL_BATCH, SEQ = 4, 16, 128
@@ -457,9 +457,7 @@ def main(argv=None) -> dict:
         data["bubble"] = bubble(args.bubble_rounds, args.warmup)
         print(f"bubble: {time.monotonic() - t0:.0f} s", flush=True)
     data["seconds"] = time.monotonic() - started
-    print("\n".join(report_section(data)))
-    print(f"saved {save_json('techniques', data)}")
-    return data
+    return publish("techniques", data, report_section(data))
 
 
 if __name__ == "__main__":
