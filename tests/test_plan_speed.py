@@ -74,7 +74,7 @@ def _layouts_pruned_whole(budget: int, *case) -> int:
 
 def _groups(case=()) -> list[list[dict]]:
     """Every point of ``case`` as plain knobs, in the groups plan evaluates together."""
-    from slapo_tune.cli.plan import _groups as groups
+    from slapo_tune.cost_model import block_groups as groups
 
     points = [point.knobs() for point, _ in _evaluated(*case)[1]]
     return [[points[i] for i in members] for members in groups(points, range(len(points))).values()]
@@ -272,3 +272,25 @@ def test_throughputs_together_are_each_points_own_bit_for_bit(case):
         alone = np.array([timed.time(p).throughput(timed.workload) for p in points])
         assert np.array_equal(timed.throughputs(points), alone), device.name
         assert len(set(alone.tolist())) > len(points) // 20  # the knobs change them
+
+
+@pytest.mark.parametrize("case", [(), GPT2], ids=["llama", "gpt2-amp"])
+def test_a_whole_space_predicted_at_once_is_each_points_own(case):
+    """The model-ranked strategies predict the whole space at once (:meth:`CostModel.predictions`):
+    each point's verdict is :meth:`CostModel.verdict`'s, its peak :meth:`CostModel.memory`'s where it
+    fits (within the terms' rounding) and a lower bound above the budget where not, its throughput
+    :meth:`CostModel.time`'s where it fits and 0 where not."""
+    model, evaluated = _evaluated(*case)
+    points = [point.knobs() for point, _ in evaluated]
+    all_peaks = sorted(mem.peak for _, mem in evaluated)
+    budget = all_peaks[len(all_peaks) // 2]
+    predicted = model.predictions(points, budget)
+    for i, (point, mem) in enumerate(evaluated):
+        fits = model.verdict(point, budget, prediction=mem).fits
+        assert predicted.fits[i] == fits, point
+        if fits:
+            assert abs(int(predicted.peaks[i]) - mem.peak) <= 1e-8 * mem.peak, point
+            assert predicted.throughputs[i] == model.time(point).throughput(model.workload), point
+        else:
+            assert budget < predicted.peaks[i] <= mem.peak and predicted.throughputs[i] == 0, point
+    assert 0 < predicted.fits.sum() < len(points)

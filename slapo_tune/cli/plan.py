@@ -80,13 +80,14 @@ def _subtree_entries(space, prefix: dict, first: int, bound: int):
     """A function of the cost model and budget listing the ``_Found.pruned_rows`` entries of the
     points of ``prefix`` (indices from ``first``, peaks at least ``bound``), each bounded by the
     larger of ``bound`` and the stages :meth:`CostModel.group_verdicts` reads."""
+    from ..cost_model import block_groups
     from ..plan import KNOB_DEFAULTS
 
     def entries(model, budget: int) -> list[tuple[int, int, bool, Any]]:
         raws = list(space.enumerate(prefix))
         points = [{**KNOB_DEFAULTS, **raw} for raw in raws]
         bounds = [bound] * len(points)
-        groups = list(_groups(points, range(len(points))).values())
+        groups = list(block_groups(points, range(len(points))).values())
         verdicts = model.group_verdicts([(points[members[0]], [points[i] for i in members]) for members in groups],
                                         budget)
         for members, (_, peaks) in zip(groups, verdicts):
@@ -121,24 +122,8 @@ def _row(model, point, budget: int) -> dict:
             "reason": verdict.reason}
 
 
-# the knobs that change only what a block keeps (cost_model.analytic.block_activations): the points
-# that differ only in them are evaluated together
-_BLOCK_KNOBS = frozenset({"sp", "ckpt_policy", "attn", "fuse"})
 # what CostModel.layout_floor reads of a point
 _LAYOUT_KNOBS = ("tp", "pp", "dp", "zero")
-
-
-def _groups(points: list[dict], indices) -> dict[tuple, list[int]]:
-    """``indices`` of ``points`` (complete points, their knobs in one order) by their knobs other
-    than :data:`_BLOCK_KNOBS`: the points :meth:`CostModel.quick_verdicts` evaluates together."""
-    groups: dict[tuple, list[int]] = {}
-    if not points:
-        return groups
-    keys = [k for k in points[0] if k not in _BLOCK_KNOBS]
-    key = operator.itemgetter(*keys) if keys else (lambda p: ())
-    for i in indices:
-        groups.setdefault(key(points[i]), []).append(i)
-    return groups
 
 
 def _search(model, problem, budget: int, top: int) -> _Found:
@@ -163,7 +148,7 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     """
     import numpy as np
 
-    from ..cost_model import Variants
+    from ..cost_model import BLOCK_KNOBS, Variants, block_groups
     from ..cost_model.analytic import optimistic
     from ..plan import KNOB_DEFAULTS, Plan
 
@@ -175,9 +160,9 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     # the walk: blocks (the knobs before the first block knob: a group's points are in one block),
     # each cut into subtrees (the knobs up to the layout's and the micro-batch size), listed by stems
     depth = max(names.index(k) for k in (*_LAYOUT_KNOBS, "micro_batch")) + 1
-    block_depth = min([names.index(k) for k in _BLOCK_KNOBS if k in names] + [depth])
+    block_depth = min([names.index(k) for k in BLOCK_KNOBS if k in names] + [depth])
     stem_depth = len(names)
-    while (not space.constraints and stem_depth > depth and names[stem_depth - 1] in _BLOCK_KNOBS
+    while (not space.constraints and stem_depth > depth and names[stem_depth - 1] in BLOCK_KNOBS
            and knobs[stem_depth - 1].derive is None and not callable(knobs[stem_depth - 1].choices)
            and knobs[stem_depth - 1].choices):
         stem_depth -= 1
@@ -226,7 +211,7 @@ def _search(model, problem, budget: int, top: int) -> _Found:
                 index += width
         pruned_before += pruned_here
         groups += [[start + s for s in group]
-                   for group in _groups([point for *_, point in stems[start:]], range(len(stems) - start)).values()]
+                   for group in block_groups([point for *_, point in stems[start:]], range(len(stems) - start)).values()]
     found.points = index
     # groups whose model states and activations alone cannot fit: pruned together, unlisted
     variants = [Variants([stems[s][2] for s in group], combos) for group in groups]
@@ -240,7 +225,7 @@ def _search(model, problem, budget: int, top: int) -> _Found:
             floored.append(g)
         else:
             evaluated.append(g)
-    verdicts = model.group_verdicts([(heads[g], variants[g]) for g in evaluated], budget, weights, _BLOCK_KNOBS)
+    verdicts = model.group_verdicts([(heads[g], variants[g]) for g in evaluated], budget, weights, BLOCK_KNOBS)
     # every evaluated point as flat arrays: verdict, peak, stem, tail (in ``combos``), index, group
     chain = itertools.chain.from_iterable
     oks = np.fromiter(chain(oks for oks, _ in verdicts), dtype=bool)
