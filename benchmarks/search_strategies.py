@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import csv
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -26,6 +27,8 @@ import random
 import statistics
 from functools import partial
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -118,8 +121,10 @@ def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: in
         wrong = perturbation(seed)
 
         class Misled(Tuner):
-            def _predicted_throughput(self, point):
-                return super()._predicted_throughput(point) * wrong(point)
+            def _predictions(self, points):
+                predicted = super()._predictions(points)
+                return dataclasses.replace(predicted, throughputs=predicted.throughputs
+                                           * np.array([wrong(p) for p in points]))
 
         tuner_class = Misled
     return tuner_class(TuneConfig(**{**settings, **config}), runner, report=report, sampler=sampler,

@@ -232,6 +232,22 @@ def test_guided_tells_tied_points_apart_with_the_one_least_like_the_measured():
     assert chosen in tied and differ(chosen) == max(differ(j) for j in tied), (table["points"][chosen], first)
 
 
+def test_guided_numbers_knob_values_as_a_walk_of_the_space_meets_them(grid):
+    """The features are built knob by knob (a large model's space has 10^5-10^6 points), yet
+    numbered as a walk of the points, row by row and a row's knobs in name order, meets the values
+    (the numbering fixes the order of the fit's sums: a search's trials depend on it)."""
+    from slapo_tune.search._samplers import _features
+
+    results, budget, _, _ = grid
+    points = replay_tuner("guided", 0, "analytic", results, budget, trials=1)[0].sampler._tables()["points"]
+    points = points[len(points) // 2:] + points[:len(points) // 2]  # values first met in another order
+    columns: dict[tuple[str, str], int] = {}
+    walked = [[columns.setdefault((k, str(v)), len(columns)) for k, v in sorted(p.items())] + [-1] for p in points]
+    features, width = _features(points)
+    assert width == len(columns) + 1 and len(columns) > len(points[0])
+    assert np.array_equal(features[:, :-1], np.array(walked)[:, :-1]) and (features[:, -1] == len(columns)).all()
+
+
 @pytest.mark.parametrize("storage,strategy", [("sqlite", "guided"), ("journal", "tpe"), ("postgresql", "guided")])
 def test_two_drivers_on_one_study_launch_no_point_twice(tmp_path, request, storage, strategy):
     """Two drivers started together on one study, with one seed: a point is launched by the

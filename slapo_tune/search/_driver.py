@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from optuna.samplers import BaseSampler
     from optuna.trial import Trial
 
+    from ..cost_model import Predictions
+
 MAX_DUPLICATES = 3  # consecutive known points from a sampler before the driver picks one itself
 # how long a driver waits for an earlier-asked trial of another driver to name its point before
 # deciding a reservation without it (a driver killed between ask and naming leaves one for good)
@@ -162,8 +164,7 @@ class Tuner:
         # this driver's name in the study: other drivers on it leave its running trials alone
         self.driver = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
-                                                          rank=self._predicted_throughput, known=self._known,
-                                                          peak=lambda point: self.cost.memory(point).peak)
+                                                          predict=self._predictions, known=self._known)
         self.outputs = (Outputs(self.config.out, self.problem, self.config.strategy, self._command())
                         if write_outputs else None)
         self.progress = Progress()
@@ -180,10 +181,10 @@ class Tuner:
         return tune_command(self.config, redact(storage, storage) if storage else None)
 
     # ------------------------------------------------------------------ cost model
-    def _predicted_throughput(self, point: Point) -> float:
-        if not self.cost.verdict(point, self.config.memory_budget).fits:
-            return 0.0
-        return self.cost.time(point).throughput(self.workload)
+    def _predictions(self, points: list[Point]) -> Predictions:
+        """The cost model's verdict, peak and throughput (0 where a point cannot fit) of each of
+        ``points``, evaluated together: the model-ranked strategies predict the whole space."""
+        return self.cost.predictions(points, self.config.memory_budget)
 
     def _predict(self, point: Point) -> dict[str, Any]:
         mem = self.cost.memory(point)

@@ -27,10 +27,14 @@ from optuna import Study
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial
 
+from ..cost_model import Predictions
 from ..plan import Plan, TrialStatus
 from ..problem import Problem
 from ..space import Point, Space, point_key
 from ._known import Known, KnownReader
+
+# the cost model's predictions of a list of points, evaluated together (CostModel.predictions)
+Predict = Callable[[list[Point]], Predictions]
 
 
 class _PerKnob(optuna.samplers.BaseSampler):
@@ -147,15 +151,17 @@ class Grid(OrderedSampler):
 class ModelRanked(OrderedSampler):
     """Best predicted throughput first (the cost model's ranking; pruned points never appear)."""
 
-    def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
+    def __init__(self, problem: Problem, seed: int = 0, predict: Predict | None = None,
                  known: KnownReader | None = None) -> None:
         super().__init__(problem, seed, known)
-        self.rank = rank
+        self.predict = predict
         self._order: list[Point] | None = None
 
     def ordering(self) -> Iterable[Point]:
-        if self._order is None:  # ranking every point costs a cost-model call each: once
-            self._order = sorted(self.space.enumerate(), key=lambda p: -self.rank(p))
+        if self._order is None:  # the whole space predicted at once, once; ties in the space's order
+            points = list(self.space.enumerate())
+            order = np.argsort(-self.predict(points).throughputs, kind="stable")
+            self._order = [points[i] for i in order.tolist()]
         return self._order
 
 
@@ -254,35 +260,35 @@ class Guided(OrderedSampler):
     MEMORY_SPREAD = 0.05  # relative error of a predicted peak (the analytic model's, within 10 % at worst)
     SCALE_SPREAD = 1e3  # the overall scale's prior standard deviation: flat, whatever the time model's units
 
-    def __init__(self, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
-                 known: KnownReader | None = None, peak: Callable[[Point], float] | None = None) -> None:
+    def __init__(self, problem: Problem, seed: int = 0, predict: Predict | None = None,
+                 known: KnownReader | None = None) -> None:
         super().__init__(problem, seed, known)
-        if rank is None or peak is None:
+        if predict is None:
             raise ValueError("the guided strategy needs the cost model's throughput and peak predictions")
-        self.rank, self.peak = rank, peak
+        self.predict = predict
         self._table: dict[str, Any] | None = None
         self.stopped_early = False
 
     def _tables(self) -> dict[str, Any]:
-        """The space's points in the space's order, each one's log prior, its features (one column
-        index per knob: the knob's value, and a last column every point has: the overall scale) and
-        frontier group; built once (the space is fixed)."""
+        """The space's points in the space's order, each one's log prior, its predicted peak, its
+        features (one column index per knob: the knob's value, and a last column every point has:
+        the overall scale) and frontier group; built once (the space is fixed), the whole space
+        predicted at once (:meth:`CostModel.predictions`)."""
         if self._table is None:
             points = list(self.space.enumerate())  # exact ties go to the first in the space's order
-            prior = np.array([self.rank(p) for p in points], dtype=float)
-            columns: dict[tuple[str, str], int] = {}
-            features = np.array([[columns.setdefault((k, str(v)), len(columns)) for k, v in sorted(p.items())]
-                                 for p in points], dtype=np.int64).reshape(len(points), -1)
-            features = np.hstack([features, np.full((len(points), 1), len(columns), dtype=np.int64)])
-            plans = [Plan.of(p, self.problem.workload) for p in points]
-            groups: dict[Plan, int] = {}
+            predicted = self.predict(points)
+            prior = np.asarray(predicted.throughputs, dtype=float)
+            features, width = _features(points)
+            # a point's frontier group: its knobs but the micro-batch size and checkpointing (as
+            # _others of its plan: the points of one space have the same knobs)
+            groups: dict[tuple, int] = {}
+            others = [k for k in points[0] if k not in ("micro_batch", "ckpt_ratio")] if points else []
             self._table = {
                 "points": points, "keys": [point_key(p) for p in points],
                 "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
-                "peak": np.array([self.peak(p) for p in points], dtype=float),
-                "features": features, "width": len(columns) + 1,
-                "group": [groups.setdefault(_others(plan), len(groups)) for plan in plans],
-                "mb": [plan.micro_batch for plan in plans], "ckpt": [plan.ckpt_ratio for plan in plans],
+                "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width,
+                "group": [groups.setdefault(tuple(p[k] for k in others), len(groups)) for p in points],
+                "mb": [p["micro_batch"] for p in points], "ckpt": [p["ckpt_ratio"] for p in points],
             }
             self._table["index"] = {key: i for i, key in enumerate(self._table["keys"])}
         return self._table
@@ -388,10 +394,13 @@ class Guided(OrderedSampler):
         if not open_:
             return None
         candidates = np.array(open_)
-        corrected, deviation, best = self.scores(known, candidates)
+        # the points the cost model says cannot fit (log prior -inf) score -inf: only the others
+        # are scored (in a large model's space, most points)
+        finite = np.flatnonzero(np.isfinite(t["log_prior"][candidates]))
+        corrected, deviation, best = self.scores(known, candidates[finite])
         measured = sum(1 for s in known.status.values() if s is TrialStatus.OK)
         if best is None:  # nothing measured to improve on: the best predicted
-            score = corrected
+            scored = corrected
         else:
             if measured >= self.MIN_MEASURED:
                 # at the largest spread the measurements allow; a knob value none of them has, at
@@ -399,12 +408,13 @@ class Guided(OrderedSampler):
                 rows, residuals, _ = self._measured(known)
                 spread = np.full(t["width"], SPREADS[-1])
                 spread[np.unique(t["features"][rows])] = self.spreads(rows, residuals)[1]
-                wide, far, _ = self.scores(known, candidates, spread)
+                wide, far, _ = self.scores(known, candidates[finite], spread)
                 if not np.any(wide + self.STOP * far > best + math.log1p(self.NOISE)):
                     self.stopped_early = True
                     return None
-            score = log_expected_improvement(corrected, deviation, best)
-        score = score + self._log_chance_to_fit(t["peak"][candidates])
+            scored = log_expected_improvement(corrected, deviation, best)
+        score = np.full(len(candidates), -np.inf)
+        score[finite] = scored + self._log_chance_to_fit(t["peak"][candidates[finite]])
         # a measured out-of-memory point (or one exact mode pruned: analytic mode let it through)
         # says the memory model is optimistic up to its predicted peak: the points predicted to need
         # as much or more are tried after every other
@@ -413,6 +423,29 @@ class Guided(OrderedSampler):
         # the best score first; lexsort is stable: exact ties (and points the cost model says cannot
         # fit, -inf) in the space's order
         return t["points"][int(candidates[np.lexsort((-score, behind))[0]])]
+
+
+def _features(points: list[Point]) -> tuple[np.ndarray, int]:
+    """Each point's feature columns (:meth:`Guided._tables`): one per knob (in name order), the
+    column of its value, numbered in the order the values first appear (row by row, a row's knobs
+    in name order), and a last one every point has; and the number of columns."""
+    names = sorted(points[0]) if points else []
+    codes, firsts = [], []  # per knob: each point's value code; each value's first row
+    for name in names:
+        seen: dict[str, int] = {}
+        column = np.array([seen.setdefault(str(p[name]), len(seen)) for p in points], dtype=np.int64)
+        codes.append(column)
+        firsts.append(np.unique(column, return_index=True)[1])  # codes count up as values first appear
+    # number (knob, value) pairs as a row-by-row walk meets them: by first row, then knob
+    pairs = sorted((int(row), k, c) for k, rows in enumerate(firsts) for c, row in enumerate(rows))
+    numbers = [np.zeros(len(rows), dtype=np.int64) for rows in firsts]
+    for n, (_, k, c) in enumerate(pairs):
+        numbers[k][c] = n
+    features = np.empty((len(points), len(names) + 1), dtype=np.int64)
+    for k in range(len(names)):
+        features[:, k] = numbers[k][codes[k]]
+    features[:, -1] = len(pairs)
+    return features, len(pairs) + 1
 
 
 # the knob corrections' spreads :meth:`Guided.spreads` chooses among: from a trial's noise (3 %) to

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from optuna import Study
     from optuna.samplers import BaseSampler
 
+    from ..cost_model import Predictions
     from ..problem import Problem
 
 STRATEGIES = ("guided", "tpe", "grid", "random", "frontier", "model")
@@ -28,12 +29,14 @@ class Strategy(Protocol):
         """True when the strategy has no point left to propose."""
 
 
-def make_strategy(name: str, problem: Problem, seed: int = 0, rank: Callable[[Point], float] | None = None,
-                  known: KnownReader | None = None, peak: Callable[[Point], float] | None = None) -> BaseSampler:
-    """The Optuna sampler of strategy ``name``, a :class:`Strategy` too (``rank``: the cost model's
-    predicted throughput of a point, which the ``model`` strategy orders by and ``guided`` starts
-    from; ``peak``: its predicted peak memory, which ``guided`` reads; ``known``: the reader
-    of the study the caller already keeps, which the ordered strategies then share)."""
+def make_strategy(name: str, problem: Problem, seed: int = 0,
+                  predict: Callable[[list[Point]], Predictions] | None = None,
+                  known: KnownReader | None = None) -> BaseSampler:
+    """The Optuna sampler of strategy ``name``, a :class:`Strategy` too (``predict``: the cost
+    model's predictions of a list of points, evaluated together (:meth:`CostModel.predictions`):
+    the ``model`` strategy orders by their throughputs, ``guided`` starts from them and reads their
+    peaks; ``known``: the reader of the study the caller already keeps, which the ordered
+    strategies then share)."""
     from . import _samplers
 
     if name not in STRATEGIES:
@@ -43,11 +46,11 @@ def make_strategy(name: str, problem: Problem, seed: int = 0, rank: Callable[[Po
     if name == "random":
         return _samplers.RandomSearch(seed)
     if name in ("model", "guided"):
-        if rank is None or (name == "guided" and peak is None):
+        if predict is None:
             raise UsageError(f"the '{name}' strategy needs the cost model")
         if name == "guided":
-            return _samplers.Guided(problem, seed, rank, known, peak)
-        return _samplers.ModelRanked(problem, seed, rank, known)
+            return _samplers.Guided(problem, seed, predict, known)
+        return _samplers.ModelRanked(problem, seed, predict, known)
     return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed, known)
 
 
