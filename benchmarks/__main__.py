@@ -6,8 +6,9 @@ grid (:mod:`benchmarks.search_strategies`), cost-model accuracy
 (:mod:`benchmarks.cost_model_accuracy`; the full 60-point grid alone takes about 50 minutes on 2
 cores, so this run measures a smaller seeded sample unless ``--full-accuracy``), sequence
 parallelism, selective recomputation and interleaving side by side (:mod:`benchmarks.techniques`),
-overheads (schedule language, pipeline, runners, the driver at 1,000 trials), and ``plan``'s wall time
-at 1,024-3,072 ranks (:mod:`benchmarks.plan_speed`). ``--quick`` is a smoke run of
+overheads (schedule language, pipeline, runners, the driver at 1,000 trials), ``plan``'s wall time
+at 1,024-3,072 ranks (:mod:`benchmarks.plan_speed`) and ``tune``'s start-up on such a space
+(:mod:`benchmarks.search_startup`). ``--quick`` is a smoke run of
 every section (under 10 minutes), not the reported figures.
 """
 
@@ -44,6 +45,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
             ("techniques side by side", "techniques", ["--quick"]),
             ("published tables", "paper_tables", ["--quick"]),
             ("plan at scale", "plan_speed", ["--rounds", "1"]),
+            ("tune start-up at scale", "search_startup", ["--rounds", "1"]),
         ]
     accuracy = [] if full_accuracy else ["--points-per-world", "2", "--calibration-per-world", "1"]
     return [
@@ -57,6 +59,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
         ("techniques side by side", "techniques", []),
         ("published tables", "paper_tables", []),
         ("plan at scale", "plan_speed", []),
+        ("tune start-up at scale", "search_startup", []),
     ]
 
 
