@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial
 
 from ..cost_model import Predictions
-from ..plan import Plan, TrialStatus
+from ..plan import TrialStatus
 from ..problem import Problem
 from ..space import Point, Space, point_key
 from ._known import Known, KnownReader
@@ -165,9 +164,10 @@ class ModelRanked(OrderedSampler):
         return self._order
 
 
-def _others(plan: Plan) -> Plan:
-    """A plan's knobs other than its micro-batch and checkpointing (its frontier group)."""
-    return replace(plan, micro_batch=0, ckpt_ratio=0.0)
+def frontier_group(point: Point) -> tuple:
+    """A point's frontier group: its knobs other than its micro-batch size and checkpointing (the
+    values alone: the points of one space have the same knobs, in one order)."""
+    return tuple(v for k, v in point.items() if k not in ("micro_batch", "ckpt_ratio"))
 
 
 def beyond_the_frontier(micro_batch: int, ckpt_ratio: float, seen: Iterable[tuple[int, float, TrialStatus]]) -> bool:
@@ -185,18 +185,18 @@ class Frontier(OrderedSampler):
 
     def __init__(self, problem: Problem, seed: int = 0, known: KnownReader | None = None) -> None:
         super().__init__(problem, seed, known)
-        self._walk: list[list[tuple[str, Point, Plan]]] | None = None  # groups, each in walking order
-        self._where: dict[str, tuple[int, Plan]] = {}  # point key -> (its group's index, its plan)
+        self._walk: list[list[tuple[str, Point]]] | None = None  # groups, each in walking order
+        self._where: dict[str, tuple[int, int, float]] = {}  # point key -> (its group's index, mb, ckpt)
 
-    def _groups(self) -> list[list[tuple[str, Point, Plan]]]:
+    def _groups(self) -> list[list[tuple[str, Point]]]:
         if self._walk is None:  # the space is fixed: group and sort it once
-            groups: dict[Plan, list[tuple[str, Point, Plan]]] = {}
+            groups: dict[tuple, list[tuple[str, Point]]] = {}
             for point in self.space.enumerate():
-                plan = Plan.of(point, self.problem.workload)
-                groups.setdefault(_others(plan), []).append((point_key(point), point, plan))
-            self._walk = [sorted(members, key=lambda m: (-m[2].micro_batch, m[2].ckpt_ratio))
+                groups.setdefault(frontier_group(point), []).append((point_key(point), point))
+            self._walk = [sorted(members, key=lambda m: (-m[1]["micro_batch"], m[1]["ckpt_ratio"]))
                           for members in groups.values()]
-            self._where = {key: (i, plan) for i, members in enumerate(self._walk) for key, _, plan in members}
+            self._where = {key: (i, point["micro_batch"], point["ckpt_ratio"])
+                           for i, members in enumerate(self._walk) for key, point in members}
         return self._walk
 
     def next_point(self, known: Known) -> Point | None:
@@ -204,14 +204,14 @@ class Frontier(OrderedSampler):
         outcomes: dict[int, list[tuple[int, float, TrialStatus]]] = {}
         for key, status in known.status.items():
             if key in self._where:
-                group, plan = self._where[key]
-                outcomes.setdefault(group, []).append((plan.micro_batch, plan.ckpt_ratio, status))
+                group, mb, ck = self._where[key]
+                outcomes.setdefault(group, []).append((mb, ck, status))
         for group, members in enumerate(walk):
             seen = outcomes.get(group, [])
-            for key, point, plan in members:
+            for key, point in members:
                 if key in known:
                     continue
-                mb, ck = plan.micro_batch, plan.ckpt_ratio
+                mb, ck = point["micro_batch"], point["ckpt_ratio"]
                 if beyond_the_frontier(mb, ck, seen):
                     continue
                 if any(s is TrialStatus.OK and m == mb and c < ck for m, c, s in seen):
@@ -279,15 +279,12 @@ class Guided(OrderedSampler):
             predicted = self.predict(points)
             prior = np.asarray(predicted.throughputs, dtype=float)
             features, width = _features(points)
-            # a point's frontier group: its knobs but the micro-batch size and checkpointing (as
-            # _others of its plan: the points of one space have the same knobs)
             groups: dict[tuple, int] = {}
-            others = [k for k in points[0] if k not in ("micro_batch", "ckpt_ratio")] if points else []
             self._table = {
                 "points": points, "keys": [point_key(p) for p in points],
                 "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
                 "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width,
-                "group": [groups.setdefault(tuple(p[k] for k in others), len(groups)) for p in points],
+                "group": [groups.setdefault(frontier_group(p), len(groups)) for p in points],
                 "mb": [p["micro_batch"] for p in points], "ckpt": [p["ckpt_ratio"] for p in points],
             }
             self._table["index"] = {key: i for i, key in enumerate(self._table["keys"])}
