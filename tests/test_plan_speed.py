@@ -283,14 +283,26 @@ def test_a_whole_space_predicted_at_once_is_each_points_own(case):
     model, evaluated = _evaluated(*case)
     points = [point.knobs() for point, _ in evaluated]
     all_peaks = sorted(mem.peak for _, mem in evaluated)
-    budget = all_peaks[len(all_peaks) // 2]
-    predicted = model.predictions(points, budget)
-    for i, (point, mem) in enumerate(evaluated):
-        fits = model.verdict(point, budget, prediction=mem).fits
-        assert predicted.fits[i] == fits, point
-        if fits:
-            assert abs(int(predicted.peaks[i]) - mem.peak) <= 1e-8 * mem.peak, point
-            assert predicted.throughputs[i] == model.time(point).throughput(model.workload), point
-        else:
-            assert budget < predicted.peaks[i] <= mem.peak and predicted.throughputs[i] == 0, point
-    assert 0 < predicted.fits.sum() < len(points)
+    # the layout whose smallest peak is nearest its floor: at the budget where that peak just fits
+    # (at its optimistic end), the floor is above the budget, yet the layout is not pruned whole
+    layouts: dict[tuple, tuple[int, int]] = {}
+    for point, mem in evaluated:
+        key = (point["tp"], point["pp"], point["dp"], point["zero"])
+        floor, least = layouts.get(key, (model.layout_floor(point), mem.peak))
+        layouts[key] = (floor, min(least, mem.peak))
+    floor, least = max(layouts.values(), key=lambda fl: fl[0] / fl[1])
+    edge = int(least * (1 - model.calibration.uncertainty))
+    assert floor > edge
+    budgets = (all_peaks[len(all_peaks) // 4], all_peaks[len(all_peaks) // 2], edge)
+    assert any(_layouts_pruned_whole(budget, *case) for budget in budgets)  # layouts pruned whole, unevaluated
+    for budget in budgets:
+        predicted = model.predictions(points, budget)
+        for i, (point, mem) in enumerate(evaluated):
+            fits = model.verdict(point, budget, prediction=mem).fits
+            assert predicted.fits[i] == fits, point
+            if fits:
+                assert abs(int(predicted.peaks[i]) - mem.peak) <= 1e-8 * mem.peak, point
+                assert predicted.throughputs[i] == model.time(point).throughput(model.workload), point
+            else:
+                assert budget < predicted.peaks[i] <= mem.peak and predicted.throughputs[i] == 0, point
+        assert 0 < predicted.fits.sum() < len(points)

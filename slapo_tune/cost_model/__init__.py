@@ -510,19 +510,43 @@ class CostModel:
     def predictions(self, points: Sequence[Mapping[str, Any]], budget: int) -> Predictions:
         """Every one of ``points``' analytic verdict, predicted peak and throughput, evaluated
         together (what a search ranks a whole space by: one point at a time, a large model's space
-        of 10^5-10^6 points takes minutes). Points that differ only in what a block keeps are one
-        group of :meth:`group_verdicts`; the throughputs only of the points that fit, at once."""
+        of 10^5-10^6 points takes minutes). A layout whose model states alone cannot fit
+        (:meth:`layout_floor`) is pruned whole, its floor the peaks' bound; of the others, points
+        that differ only in what a block keeps are one group: pruned whole where its floor cannot
+        fit (:meth:`group_floors`), else evaluated by :meth:`group_verdicts`; the throughputs only
+        of the points that fit, at once (as ``plan`` evaluates a space)."""
         import numpy as np
 
         from ..plan import KNOB_DEFAULTS
 
         complete = [{**KNOB_DEFAULTS, **p} for p in points]
         fits, peaks = np.zeros(len(complete), dtype=bool), np.zeros(len(complete), dtype=np.int64)
-        groups = list(block_groups(complete, range(len(complete))).values())
-        verdicts = self.group_verdicts([(complete[g[0]], [complete[i] for i in g]) for g in groups], budget,
-                                       differ=BLOCK_KNOBS)
-        for members, (oks, group_peaks) in zip(groups, verdicts):
-            fits[members], peaks[members] = oks, group_peaks
+        # a layout whose model states alone cannot fit (layout_floor, as plan prunes them): its
+        # points' peak is at least its floor, which is above the budget
+        weights, floors, evaluated = self._weights(), {}, []
+        for i, p in enumerate(complete):
+            layout = (p["tp"], p["pp"], p["dp"], p["zero"])
+            if layout not in floors:
+                floors[layout] = self.layout_floor(p, weights)
+            if optimistic(floors[layout], self.calibration.uncertainty) > budget:
+                peaks[i] = floors[layout]
+            else:
+                evaluated.append(i)
+        # of the others, groups whose model states and activations alone cannot fit (group_floors)
+        groups, members = [], []
+        for group in block_groups(complete, evaluated).values():
+            groups.append(group)
+            members.append([complete[i] for i in group])
+        group_floors = self.group_floors([m[0] for m in members], members, weights)
+        verdicts = iter(self.group_verdicts([(m[0], m) for m, floor in zip(members, group_floors)
+                                             if optimistic(floor, self.calibration.uncertainty) <= budget],
+                                            budget, weights, differ=BLOCK_KNOBS))
+        for group, floor in zip(groups, group_floors):
+            if optimistic(floor, self.calibration.uncertainty) > budget:
+                peaks[group] = floor
+            else:
+                oks, group_peaks = next(verdicts)
+                fits[group], peaks[group] = oks, group_peaks
         throughputs = np.zeros(len(complete))
         fit = np.flatnonzero(fits)
         if len(fit):
