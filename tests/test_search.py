@@ -232,6 +232,26 @@ def test_guided_tells_tied_points_apart_with_the_one_least_like_the_measured():
     assert chosen in tied and differ(chosen) == max(differ(j) for j in tied), (table["points"][chosen], first)
 
 
+def test_guided_leaves_out_the_points_beyond_a_measured_frontier(grid):
+    """A point that ran out of memory settles its group's points with as large a micro-batch or
+    larger and as little checkpointing or less (:func:`beyond_the_frontier`, which ``frontier``
+    walks by): guided's open points are all the others (its arrays over the whole space)."""
+    from slapo_tune.search._samplers import beyond_the_frontier, frontier_group
+
+    results, budget, _, _ = grid
+    sampler: Guided = replay_tuner("guided", 0, "analytic", results, budget, trials=1)[0].sampler
+    table = sampler._tables()
+    points = table["points"]
+    oom = next(i for i, p in enumerate(points) if p["micro_batch"] == 4 and p["ckpt_ratio"] == 0.5)
+    running = next(i for i, p in enumerate(points) if p["micro_batch"] == 1)
+    known = Known({table["keys"][oom]: TrialStatus.OOM}, {}, {table["keys"][running]: 1}, 1)
+    seen = [(4, 0.5, TrialStatus.OOM)]
+    beyond = {i for i, p in enumerate(points) if frontier_group(p) == frontier_group(points[oom])
+              and beyond_the_frontier(p["micro_batch"], p["ckpt_ratio"], seen)}
+    assert {(points[i]["micro_batch"], points[i]["ckpt_ratio"]) for i in beyond} >= {(4, 0.25), (8, 0.5)}
+    assert set(sampler._open(known).tolist()) == set(range(len(points))) - beyond - {oom, running}
+
+
 def test_guided_numbers_knob_values_as_a_walk_of_the_space_meets_them(grid):
     """The features are built knob by knob (a large model's space has 10^5-10^6 points), yet
     numbered as a walk of the points, row by row and a row's knobs in name order, meets the values

@@ -16,8 +16,11 @@ driver stops when a strategy has nothing left without asking which kind it has.
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
-from collections.abc import Callable, Iterable
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -281,13 +284,12 @@ class Guided(OrderedSampler):
             features, width = _features(points)
             groups: dict[tuple, int] = {}
             self._table = {
-                "points": points, "keys": [point_key(p) for p in points],
+                "points": points, "keys": _Keys(points), "index": _Index(points),
                 "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
                 "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width,
-                "group": [groups.setdefault(frontier_group(p), len(groups)) for p in points],
-                "mb": [p["micro_batch"] for p in points], "ckpt": [p["ckpt_ratio"] for p in points],
+                "group": np.array([groups.setdefault(frontier_group(p), len(groups)) for p in points], dtype=np.int64),
+                "mb": np.array([p["micro_batch"] for p in points]), "ckpt": np.array([p["ckpt_ratio"] for p in points]),
             }
-            self._table["index"] = {key: i for i, key in enumerate(self._table["keys"])}
         return self._table
 
     def _measured(self, known: Known) -> tuple[list[int], np.ndarray, float | None]:
@@ -365,16 +367,21 @@ class Guided(OrderedSampler):
                                    for f in np.array_split(features, max(1, len(features) // 20000))])
         return corrected, np.sqrt(np.maximum(variance, 0.0)), best
 
-    def _open(self, known: Known) -> list[int]:
-        """Indices of the points neither known nor beyond a measured frontier."""
+    def _open(self, known: Known) -> np.ndarray:
+        """Indices of the points neither known nor beyond a measured frontier
+        (:func:`beyond_the_frontier`: in the group of a known infeasible point, a micro-batch as
+        large or larger with as little checkpointing or less)."""
         t = self._tables()
-        seen: dict[int, list[tuple[int, float, TrialStatus]]] = {}
+        open_ = np.ones(len(t["points"]), dtype=bool)
+        for key in itertools.chain(known.status, known.running):
+            i = t["index"].get(key)
+            if i is not None:
+                open_[i] = False
         for key, status in known.status.items():
             i = t["index"].get(key)
             if i is not None and status.infeasible:
-                seen.setdefault(t["group"][i], []).append((t["mb"][i], t["ckpt"][i], status))
-        return [i for i, key in enumerate(t["keys"]) if key not in known
-                and not beyond_the_frontier(t["mb"][i], t["ckpt"][i], seen.get(t["group"][i], ()))]
+                open_ &= ~((t["group"] == t["group"][i]) & (t["mb"] >= t["mb"][i]) & (t["ckpt"] <= t["ckpt"][i]))
+        return np.flatnonzero(open_)
 
     def _log_chance_to_fit(self, peaks: np.ndarray) -> np.ndarray:
         """log P(true peak <= budget) / P(a peak predicted at the budget fits) of points of predicted
@@ -387,10 +394,9 @@ class Guided(OrderedSampler):
 
     def next_point(self, known: Known) -> Point | None:
         t = self._tables()
-        open_ = self._open(known)
-        if not open_:
+        candidates = self._open(known)
+        if not len(candidates):
             return None
-        candidates = np.array(open_)
         # the points the cost model says cannot fit (log prior -inf) score -inf: only the others
         # are scored (in a large model's space, most points)
         finite = np.flatnonzero(np.isfinite(t["log_prior"][candidates]))
@@ -422,6 +428,45 @@ class Guided(OrderedSampler):
         return t["points"][int(candidates[np.lexsort((-score, behind))[0]])]
 
 
+class _Keys(Sequence[str]):
+    """The points' keys (:func:`point_key`), each made when asked for (a JSON text per point of a
+    large space costs seconds)."""
+
+    def __init__(self, points: list[Point]) -> None:
+        self._points = points
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [point_key(p) for p in self._points[i]]
+        return point_key(self._points[i])
+
+
+class _Index(Mapping[str, int]):
+    """A point key -> the point's index, by the key read back into its values (no key per point:
+    see :class:`_Keys`); a key of other knobs is not in it."""
+
+    def __init__(self, points: list[Point]) -> None:
+        self._names = names = sorted(points[0]) if points else []
+        # a point's values in name order, as a tuple (itemgetter of one name gives the value alone)
+        self._values = operator.itemgetter(*names) if len(names) > 1 else lambda p: tuple(p[n] for n in names)
+        self._rows = {self._values(p): i for i, p in enumerate(points)}
+
+    def __getitem__(self, key: str) -> int:
+        point = json.loads(key)
+        if sorted(point) != self._names:
+            raise KeyError(key)
+        return self._rows[self._values(point)]
+
+    def __iter__(self):
+        raise TypeError("the index of a space's points is looked up, not listed")
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 def _features(points: list[Point]) -> tuple[np.ndarray, int]:
     """Each point's feature columns (:meth:`Guided._tables`): one per knob (in name order), the
     column of its value, numbered in the order the values first appear (row by row, a row's knobs
@@ -429,10 +474,12 @@ def _features(points: list[Point]) -> tuple[np.ndarray, int]:
     names = sorted(points[0]) if points else []
     codes, firsts = [], []  # per knob: each point's value code; each value's first row
     for name in names:
-        seen: dict[str, int] = {}
-        column = np.array([seen.setdefault(str(p[name]), len(seen)) for p in points], dtype=np.int64)
-        codes.append(column)
-        firsts.append(np.unique(column, return_index=True)[1])  # codes count up as values first appear
+        column = list(map(operator.itemgetter(name), points))
+        seen: dict[Any, int] = {}
+        if len({type(v) for v in column}) > 1:  # values told apart by their text (1 and 1.0 are one dict key)
+            column = list(map(str, column))
+        codes.append(np.array([seen.setdefault(v, len(seen)) for v in column], dtype=np.int64))
+        firsts.append(np.unique(codes[-1], return_index=True)[1])  # codes count up as values first appear
     # number (knob, value) pairs as a row-by-row walk meets them: by first row, then knob
     pairs = sorted((int(row), k, c) for k, rows in enumerate(firsts) for c, row in enumerate(rows))
     numbers = [np.zeros(len(rows), dtype=np.int64) for rows in firsts]
