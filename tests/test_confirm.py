@@ -121,6 +121,23 @@ def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
     assert ("confirmed (median of 9 steps, spread 14.4%; its trial measured" in line) == (confirm > 0)
 
 
+def test_a_lucky_trial_confirmed_below_other_trials_is_confirmed_again_beside_them(grid, tmp_path):
+    """Trial 1 was lucky (20 as a trial, 14 measured again) and alone within the noise of itself;
+    trials 2 and 4 measured 17 and 16, above its confirmed 14 by more than the noise: they are
+    measured again beside it, side by side, and the fastest of those (trial 2, 16.5) is crowned. A
+    resumed study does not confirm again."""
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    speeds = dict(trial_speeds=[10.0, 20.0, 17.0, 12.0, 16.0], true_speeds=[10.0, 14.0, 16.5, 12.0, 15.5])
+    tuner, runner, order = _tuner(grid, trials=5, storage=storage, study="s", **speeds)
+    summary = tuner.run()
+    assert runner.confirm_order == [(1, r) for r in (1, 2, 3)] + [(i, r) for r in (1, 2, 3) for i in (1, 2, 4)]
+    assert point_key(summary["best_point"]) == order[2] and summary["best"] == pytest.approx(16.5)
+    assert summary["confirmed"]["trial_samples_per_s"] == pytest.approx(17.0)
+    again, runner, _ = _tuner(grid, trials=5, storage=storage, study="s", **speeds)
+    summary = again.run()
+    assert runner.confirm_order == [] and point_key(summary["best_point"]) == order[2]
+
+
 def test_a_resumed_study_is_confirmed_again_only_when_its_candidates_changed(grid, tmp_path):
     storage = f"journal:{tmp_path / 'study.journal'}"
     first, runner, order = _tuner(grid, trials=5, storage=storage, study="s")
