@@ -134,7 +134,7 @@ def test_guided_learns_a_knob_values_correction_and_stops_when_nothing_can_win(g
     for i in np.argsort(-predicted)[:12]:
         point = table["points"][i]
         if np.isfinite(table["log_prior"][i]):
-            measured[table["keys"][i]] = predicted[i] * (0.5 if point["zero"] == 3 else 1.0)
+            measured[point_key(table["points"][i])] = predicted[i] * (0.5 if point["zero"] == 3 else 1.0)
     assert {table["points"][table["index"][k]]["zero"] for k in measured} >= {0, 3}
     known = Known({k: TrialStatus.OK for k in measured}, {k: [v] for k, v in measured.items()}, {}, len(measured))
     corrected, _, _ = sampler.scores(known, candidates)
@@ -146,7 +146,7 @@ def test_guided_learns_a_knob_values_correction_and_stops_when_nothing_can_win(g
     # every other point the cost model says may fit measured 10x below the best: none left can win
     best = max(measured.values())
     values = {**{k: [v] for k, v in measured.items()},
-              **{k: [best / 10] for i, k in enumerate(table["keys"]) if k not in measured
+              **{k: [best / 10] for i, k in enumerate(map(point_key, table["points"])) if k not in measured
                  and np.isfinite(table["log_prior"][i])}}
     known_most = Known({k: TrialStatus.OK for k in list(values)[:-1]}, dict(list(values.items())[:-1]), {},
                        len(values) - 1)
@@ -156,9 +156,9 @@ def test_guided_learns_a_knob_values_correction_and_stops_when_nothing_can_win(g
 def _measured_at(table, indices, factor, running=()) -> Known:
     """A study that measured the points of ``indices`` at their predicted throughput times
     ``factor(point)``, and runs those of ``running``."""
-    values = {table["keys"][i]: [float(np.exp(table["log_prior"][i])) * factor(table["points"][i])] for i in indices}
+    values = {point_key(table["points"][i]): [float(np.exp(table["log_prior"][i])) * factor(table["points"][i])] for i in indices}
     return Known({k: TrialStatus.OK for k in values}, values,
-                 {table["keys"][j]: n for n, j in enumerate(running)}, len(values))
+                 {point_key(table["points"][j]): n for n, j in enumerate(running)}, len(values))
 
 
 def test_guided_learns_how_wrong_the_time_model_is(grid):
@@ -244,7 +244,7 @@ def test_guided_leaves_out_the_points_beyond_a_measured_frontier(grid):
     points = table["points"]
     oom = next(i for i, p in enumerate(points) if p["micro_batch"] == 4 and p["ckpt_ratio"] == 0.5)
     running = next(i for i, p in enumerate(points) if p["micro_batch"] == 1)
-    known = Known({table["keys"][oom]: TrialStatus.OOM}, {}, {table["keys"][running]: 1}, 1)
+    known = Known({point_key(table["points"][oom]): TrialStatus.OOM}, {}, {point_key(table["points"][running]): 1}, 1)
     seen = [(4, 0.5, TrialStatus.OOM)]
     beyond = {i for i, p in enumerate(points) if frontier_group(p) == frontier_group(points[oom])
               and beyond_the_frontier(p["micro_batch"], p["ckpt_ratio"], seen)}

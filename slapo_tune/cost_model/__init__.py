@@ -538,11 +538,11 @@ class CostModel:
             groups.append(group)
             members.append([complete[i] for i in group])
         group_floors = self.group_floors([m[0] for m in members], members, weights)
-        verdicts = iter(self.group_verdicts([(m[0], m) for m, floor in zip(members, group_floors)
-                                             if optimistic(floor, self.calibration.uncertainty) <= budget],
+        floored = [optimistic(floor, self.calibration.uncertainty) > budget for floor in group_floors]
+        verdicts = iter(self.group_verdicts([(m[0], m) for m, out in zip(members, floored) if not out],
                                             budget, weights, differ=BLOCK_KNOBS))
-        for group, floor in zip(groups, group_floors):
-            if optimistic(floor, self.calibration.uncertainty) > budget:
+        for group, floor, out in zip(groups, group_floors, floored):
+            if out:
                 peaks[group] = floor
             else:
                 oks, group_peaks = next(verdicts)

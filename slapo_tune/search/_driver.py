@@ -544,11 +544,10 @@ class Tuner:
         record = self._side_by_side(chosen, limit, rounds)
         others = contenders(self.study, record)[:limit - 1]
         if others:  # the crowned trial was lucky: it and the trials that may be faster, side by side
-            crowned = next(t for t in chosen if t.number == record["crowned"])
-            widened = sorted([crowned, *others], key=lambda t: (-t.values[0], t.number))
-            record = {**self._side_by_side(widened, limit, rounds), "first": [t.number for t in chosen]}
+            lucky = next(t for t in chosen if t.number == record["crowned"])
+            first, chosen = chosen, sorted([lucky, *others], key=lambda t: (-t.values[0], t.number))
+            record = {**self._side_by_side(chosen, limit, rounds), "first": [t.number for t in first]}
         self.study.set_user_attr(RECORD, record)
-        chosen = [t for t in self.study.get_trials(deepcopy=False) if t.number in record["candidates"]]
         if record["crowned"] is not None:
             figures = record["figures"][str(record["crowned"])]
             crowned = next(t for t in chosen if t.number == record["crowned"])

@@ -9,6 +9,7 @@ driver loses nothing that was told, and a resumed one rewrites the same files.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,8 +90,6 @@ class Outputs:
     def __init__(self, out: Path, problem: Problem, strategy: str, command: str | None = None) -> None:
         self.out, self.problem, self.strategy, self.command = out, problem, strategy, command
         self._schedule_written: tuple | None = None  # the trial best_schedule.json holds, and its confirmed figures
-        import time
-
         self._report_written = time.monotonic()  # when the report was last drawn (or the outputs began)
         self._report_seconds = 0.0  # how long drawing it took
 
@@ -102,8 +101,6 @@ class Outputs:
         self._write(study, final=True, report=report)
 
     def _write(self, study: Study, final: bool, report: bool = True) -> None:
-        import time
-
         import pandas as pd
 
         self.out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import itertools
 import json
 import math
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -284,7 +284,7 @@ class Guided(OrderedSampler):
             features, width = _features(points)
             groups: dict[tuple, int] = {}
             self._table = {
-                "points": points, "keys": _Keys(points), "index": _Index(points),
+                "points": points, "index": _Index(points),
                 "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
                 "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width,
                 "group": np.array([groups.setdefault(frontier_group(p), len(groups)) for p in points], dtype=np.int64),
@@ -428,25 +428,9 @@ class Guided(OrderedSampler):
         return t["points"][int(candidates[np.lexsort((-score, behind))[0]])]
 
 
-class _Keys(Sequence[str]):
-    """The points' keys (:func:`point_key`), each made when asked for (a JSON text per point of a
-    large space costs seconds)."""
-
-    def __init__(self, points: list[Point]) -> None:
-        self._points = points
-
-    def __len__(self) -> int:
-        return len(self._points)
-
-    def __getitem__(self, i):  # type: ignore[override]
-        if isinstance(i, slice):
-            return [point_key(p) for p in self._points[i]]
-        return point_key(self._points[i])
-
-
 class _Index(Mapping[str, int]):
     """A point key -> the point's index, by the key read back into its values (no key per point:
-    see :class:`_Keys`); a key of other knobs is not in it."""
+    a JSON text per point of a large space costs seconds); a key of other knobs is not in it."""
 
     def __init__(self, points: list[Point]) -> None:
         self._names = names = sorted(points[0]) if points else []
