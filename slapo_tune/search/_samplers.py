@@ -16,7 +16,6 @@ driver stops when a strategy has nothing left without asking which kind it has.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import operator
@@ -30,7 +29,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial
 
 from ..cost_model import Predictions
-from ..plan import TrialStatus
+from ..plan import TrialStatus, knob_value
 from ..problem import Problem
 from ..space import Point, Space, point_key
 from ._known import Known, KnownReader
@@ -241,8 +240,11 @@ class Guided(OrderedSampler):
     the measured ones is worth most (its measurement tells them apart); a point far from the
     measured ones is worth trying once the measurements say the model's corrections are large.
     Before the first measurement, the best predicted point comes first. Candidates are the points
-    not known and not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`). A
-    point predicted to need more than the budget (yet not pruned: the memory model's optimistic
+    not known, not beyond a measured out-of-memory frontier (:func:`beyond_the_frontier`) and not
+    outdone by one that recomputes less (:func:`recomputes_less`: the same point but its
+    checkpointing, which is measured to fit, or is open and predicted to: recomputation only adds
+    work, so it cannot be faster, however wrong the time model is; should that point run out of
+    memory, this one is a candidate again). A point predicted to need more than the budget (yet not pruned: the memory model's optimistic
     end fits) counts by its chance to fit: its expected improvement is multiplied by it, the
     memory model's error taken as normal with :attr:`MEMORY_SPREAD`. A measured out-of-memory
     point (or one exact mode pruned) puts every point predicted to need as much memory after the
@@ -289,6 +291,7 @@ class Guided(OrderedSampler):
                 "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width,
                 "group": np.array([groups.setdefault(frontier_group(p), len(groups)) for p in points], dtype=np.int64),
                 "mb": np.array([p["micro_batch"] for p in points]), "ckpt": np.array([p["ckpt_ratio"] for p in points]),
+                **_checkpointing_tables(points, features),
             }
         return self._table
 
@@ -368,20 +371,39 @@ class Guided(OrderedSampler):
         return corrected, np.sqrt(np.maximum(variance, 0.0)), best
 
     def _open(self, known: Known) -> np.ndarray:
-        """Indices of the points neither known nor beyond a measured frontier
+        """Indices of the candidates: the points neither known nor beyond a measured frontier
         (:func:`beyond_the_frontier`: in the group of a known infeasible point, a micro-batch as
-        large or larger with as little checkpointing or less)."""
+        large or larger with as little checkpointing or less), less those outdone by a point that
+        recomputes less (:func:`recomputes_less`) and is measured to fit, or is not known, not
+        beyond the frontier and predicted to fit (a running one too: it is not known to fail)."""
         t = self._tables()
-        open_ = np.ones(len(t["points"]), dtype=bool)
-        for key in itertools.chain(known.status, known.running):
-            i = t["index"].get(key)
-            if i is not None:
-                open_[i] = False
+        possible = np.ones(len(t["points"]), dtype=bool)  # not ruled out by a measured frontier
+        measured_ok = np.zeros(len(t["points"]), dtype=bool)
+        known_rows = []
         for key, status in known.status.items():
             i = t["index"].get(key)
-            if i is not None and status.infeasible:
-                open_ &= ~((t["group"] == t["group"][i]) & (t["mb"] >= t["mb"][i]) & (t["ckpt"] <= t["ckpt"][i]))
-        return np.flatnonzero(open_)
+            if i is None:
+                continue
+            known_rows.append(i)
+            measured_ok[i] = status is TrialStatus.OK
+            if status.infeasible:
+                possible &= ~((t["group"] == t["group"][i]) & (t["mb"] >= t["mb"][i]) & (t["ckpt"] <= t["ckpt"][i]))
+        unknown = possible.copy()
+        unknown[known_rows] = False
+        budget = self.problem.spec.memory_budget
+        predicted_to_fit = np.isfinite(t["log_prior"]) & (t["peak"] <= budget if budget else True)
+        fits = measured_ok | (unknown & predicted_to_fit)
+        # per setting of the other knobs, which checkpointings fit; a point is outdone when one that
+        # recomputes less is among them
+        settings, checkpointing = t["setting"], t["checkpointing"]
+        fitting = np.zeros((settings.max() + 1 if len(settings) else 0, len(t["less"])), dtype=bool)
+        fitting[settings[fits], checkpointing[fits]] = True
+        outdone = (fitting.astype(np.int64) @ t["less"].astype(np.int64))[settings, checkpointing] > 0
+        for key in known.running:
+            i = t["index"].get(key)
+            if i is not None:
+                unknown[i] = False
+        return np.flatnonzero(unknown & ~outdone)
 
     def _log_chance_to_fit(self, peaks: np.ndarray) -> np.ndarray:
         """log P(true peak <= budget) / P(a peak predicted at the budget fits) of points of predicted
@@ -426,6 +448,48 @@ class Guided(OrderedSampler):
         # the best score first; lexsort is stable: exact ties (and points the cost model says cannot
         # fit, -inf) in the space's order
         return t["points"][int(candidates[np.lexsort((-score, behind))[0]])]
+
+
+def recomputes_less(ratio: float, policy: str, other_ratio: float, other_policy: str) -> bool:
+    """Whether checkpointing ``ratio`` of the blocks under ``policy`` recomputes less than
+    ``other_ratio`` under ``other_policy`` (a point's knobs otherwise the same, its micro-batch
+    too): none at all (ratio 0), or no more blocks, each recomputing as much or less (the same
+    policy, or ``selective`` against ``full``: a selective block keeps its matmuls' outputs and
+    recomputes only the rest of what a full one does). Policies of no known order are compared
+    with their own only."""
+    if (ratio, policy) == (other_ratio, other_policy):
+        return False
+    if ratio == 0:
+        return True
+    return ratio <= other_ratio and (policy == other_policy or (policy, other_policy) == ("selective", "full"))
+
+
+def _checkpointing_tables(points: list[Point], features: np.ndarray) -> dict[str, np.ndarray]:
+    """For :func:`recomputes_less` between points: each point's setting (a number per setting of
+    its knobs but its checkpointing: its micro-batch included), its checkpointing (a number per
+    distinct ratio and policy), and the matrix less[a, b]: checkpointing a recomputes less than b."""
+    if not points:
+        return {"setting": np.zeros(0, dtype=np.int64), "checkpointing": np.zeros(0, dtype=np.int64),
+                "less": np.zeros((0, 0), dtype=bool)}
+    names = sorted(points[0])  # the features' knob columns, in name order
+    others = [k for k, name in enumerate(names) if name not in ("ckpt_ratio", "ckpt_policy")]
+    # points of equal other columns, numbered (by sorting the rows: np.unique's rows take seconds
+    # on a large space)
+    rows = features[:, others]
+    order = np.lexsort(rows.T[::-1])
+    starts = np.ones(len(rows), dtype=bool)
+    starts[1:] = np.any(rows[order[1:]] != rows[order[:-1]], axis=1)
+    setting = np.empty(len(rows), dtype=np.int64)
+    setting[order] = np.cumsum(starts) - 1
+    # a point's checkpointing: its ratio's and policy's feature columns (a policy fixed when the
+    # space has no such knob), numbered; each read from its first point
+    ratio = features[:, names.index("ckpt_ratio")]
+    policy = features[:, names.index("ckpt_policy")] if "ckpt_policy" in names else np.zeros_like(ratio)
+    _, firsts, checkpointing = np.unique(ratio * (policy.max(initial=0) + 1) + policy, return_index=True,
+                                         return_inverse=True)
+    kinds = [(float(points[i]["ckpt_ratio"]), str(knob_value(points[i], "ckpt_policy"))) for i in firsts]
+    less = np.array([[recomputes_less(*a, *b) for b in kinds] for a in kinds], dtype=bool)
+    return {"setting": setting, "checkpointing": checkpointing.reshape(-1).astype(np.int64), "less": less}
 
 
 class _Index(Mapping[str, int]):
