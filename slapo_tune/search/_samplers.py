@@ -244,11 +244,11 @@ class Guided(OrderedSampler):
     outdone by one that recomputes less (:func:`recomputes_less`: the same point but its
     checkpointing, which is measured to fit, or is open and predicted to: recomputation only adds
     work, so it cannot be faster, however wrong the time model is; should that point run out of
-    memory, this one is a candidate again). A point predicted to need more than the budget (yet not pruned: the memory model's optimistic
-    end fits) counts by its chance to fit: its expected improvement is multiplied by it, the
-    memory model's error taken as normal with :attr:`MEMORY_SPREAD`. A measured out-of-memory
-    point (or one exact mode pruned) puts every point predicted to need as much memory after the
-    others.
+    memory, this one is a candidate again). A point predicted to need more than the budget (yet
+    not pruned: the memory model's optimistic end fits) counts by its chance to fit: its expected
+    improvement is multiplied by it, the memory model's error taken as normal with
+    :attr:`MEMORY_SPREAD`. A measured out-of-memory point (or one exact mode pruned) puts every
+    point predicted to need as much memory after the others.
 
     The search stops early once no open point can beat the best measured one by more than the
     noise even :attr:`STOP` standard deviations above its corrected prediction, at the largest
