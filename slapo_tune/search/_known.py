@@ -12,7 +12,7 @@ retry queued for it ends; a retry's infrastructure failure settles it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..plan import TrialStatus
@@ -53,6 +53,7 @@ class Known:
     values: Mapping[str, list[float]]  # the values told for it (points whose trial completed)
     running: Mapping[str, int]  # the number of the trial running it
     read: int  # finished trials read so far (grows with every tell: a cache key for what follows from it)
+    peaks: Mapping[str, float] = field(default_factory=dict)  # the measured peak (bytes, its largest rank's) of each point that ran
 
     def __contains__(self, key: object) -> bool:
         """Told or running: not to be proposed again."""
@@ -67,6 +68,7 @@ class KnownReader:
     def __init__(self) -> None:
         self._status: dict[str, TrialStatus] = {}
         self._values: dict[str, list[float]] = {}
+        self._peaks: dict[str, float] = {}
         self._read: set[int] = set()  # numbers of the finished trials read
         self._settled = 0  # every trial listed before this index is finished and read
 
@@ -89,7 +91,7 @@ class KnownReader:
             point = t.user_attrs.get("point")
             if t.state == TrialState.RUNNING and point is not None:  # a trial still being asked has none yet
                 running[point_key(point)] = t.number
-        return Known(dict(self._status), dict(self._values), running, len(self._read))
+        return Known(dict(self._status), dict(self._values), running, len(self._read), dict(self._peaks))
 
     def _learn(self, t: FrozenTrial) -> None:
         from optuna.trial import TrialState
@@ -101,3 +103,6 @@ class KnownReader:
         self._status[key] = status
         if t.state == TrialState.COMPLETE:
             self._values[key] = list(t.values)
+            peaks = (t.user_attrs.get("result") or {}).get("peak_memory")
+            if status is TrialStatus.OK and peaks:
+                self._peaks[key] = float(max(peaks))

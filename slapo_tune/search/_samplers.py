@@ -246,8 +246,8 @@ class Guided(OrderedSampler):
     work, so it cannot be faster, however wrong the time model is; should that point run out of
     memory, this one is a candidate again). A point predicted to need more than the budget (yet
     not pruned: the memory model's optimistic end fits) counts by its chance to fit: its expected
-    improvement is multiplied by it, the memory model's error taken as normal with
-    :attr:`MEMORY_SPREAD`. A measured out-of-memory point (or one exact mode pruned) puts every
+    improvement is multiplied by it, the memory model's error taken as normal, its mean and spread
+    learned from the peaks the study measured (:meth:`memory_error`). A measured out-of-memory point (or one exact mode pruned) puts every
     point predicted to need as much memory after the others.
 
     The search stops early once no open point can beat the best measured one by more than the
@@ -263,6 +263,9 @@ class Guided(OrderedSampler):
     NOISE = 0.03  # relative step-time noise of a trial (a short trial's spread on a busy machine)
     MIN_MEASURED = 4  # measured points before the search may stop early
     MEMORY_SPREAD = 0.05  # relative error of a predicted peak (the analytic model's, within 10 % at worst)
+    # measured peaks the prior (no error, MEMORY_SPREAD) counts as: half of one. A measured peak is
+    # the model's error at a point, exactly; the prior, a guess at the worst case
+    MEMORY_PRIOR_WEIGHT = 0.5
     SCALE_SPREAD = 1e3  # the overall scale's prior standard deviation: flat, whatever the time model's units
 
     def __init__(self, problem: Problem, seed: int = 0, predict: Predict | None = None,
@@ -405,14 +408,37 @@ class Guided(OrderedSampler):
                 unknown[i] = False
         return np.flatnonzero(unknown & ~outdone)
 
-    def _log_chance_to_fit(self, peaks: np.ndarray) -> np.ndarray:
+    def memory_error(self, known: Known) -> tuple[float, float]:
+        """The memory model's error on this space, log(measured / predicted peak), taken as normal:
+        its mean and spread, from the peaks the study measured, starting from no error and
+        :attr:`MEMORY_SPREAD` (which count as :attr:`MEMORY_PRIOR_WEIGHT` measured peaks). Peaks
+        measured within 1 % of their predictions make a point predicted 5 % over the budget a poor
+        bet; peaks measured 10 % under theirs (a pessimistic model), a good one."""
+        t = self._tables()
+        errors = np.array([math.log(peak / t["peak"][i]) for key, peak in known.peaks.items()
+                           if (i := t["index"].get(key)) is not None and peak > 0 and t["peak"][i] > 0])
+        weight = self.MEMORY_PRIOR_WEIGHT
+        mean = errors.sum() / (len(errors) + weight)
+        variance = (weight * self.MEMORY_SPREAD**2 + ((errors - mean) ** 2).sum()) / (len(errors) + weight)
+        return mean, math.sqrt(variance)
+
+    def _log_chance_to_fit(self, peaks: np.ndarray, error: tuple[float, float]) -> np.ndarray:
         """log P(true peak <= budget) / P(a peak predicted at the budget fits) of points of predicted
-        ``peaks``: 0 for those predicted to fit (and without a budget)."""
+        ``peaks``, the memory model's log ``error`` normal of (mean, spread): 0 for those predicted
+        to fit (and without a budget)."""
         budget = self.problem.spec.memory_budget
+        chance = np.zeros(len(peaks))
         if not budget:
-            return np.zeros(len(peaks))
-        z = np.minimum(budget - peaks, 0.0) / (self.MEMORY_SPREAD * np.maximum(peaks, 1.0))
-        return np.log(np.maximum(np.vectorize(math.erfc)(-z / math.sqrt(2)), 1e-300))
+            return chance
+        mean, spread = error
+        over = np.flatnonzero(peaks > budget)
+
+        def log_cdf(z: float) -> float:
+            return math.log(max(0.5 * math.erfc(-z / math.sqrt(2)), 1e-300))
+
+        at_budget = log_cdf(-mean / spread)
+        chance[over] = [log_cdf((math.log(budget / p) - mean) / spread) - at_budget for p in peaks[over].tolist()]
+        return chance
 
     def next_point(self, known: Known) -> Point | None:
         t = self._tables()
@@ -439,7 +465,7 @@ class Guided(OrderedSampler):
                     return None
             scored = log_expected_improvement(corrected, deviation, best)
         score = np.full(len(candidates), -np.inf)
-        score[finite] = scored + self._log_chance_to_fit(t["peak"][candidates[finite]])
+        score[finite] = scored + self._log_chance_to_fit(t["peak"][candidates[finite]], self.memory_error(known))
         # a measured out-of-memory point (or one exact mode pruned: analytic mode let it through)
         # says the memory model is optimistic up to its predicted peak: the points predicted to need
         # as much or more are tried after every other
