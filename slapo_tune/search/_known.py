@@ -53,7 +53,8 @@ class Known:
     values: Mapping[str, list[float]]  # the values told for it (points whose trial completed)
     running: Mapping[str, int]  # the number of the trial running it
     read: int  # finished trials read so far (grows with every tell: a cache key for what follows from it)
-    peaks: Mapping[str, float] = field(default_factory=dict)  # the measured peak (bytes, its largest rank's) of each point that ran
+    # the peak each point that ran measured (bytes, its largest rank's)
+    peaks: Mapping[str, float] = field(default_factory=dict)
 
     def __contains__(self, key: object) -> bool:
         """Told or running: not to be proposed again."""

@@ -247,8 +247,9 @@ class Guided(OrderedSampler):
     memory, this one is a candidate again). A point predicted to need more than the budget (yet
     not pruned: the memory model's optimistic end fits) counts by its chance to fit: its expected
     improvement is multiplied by it, the memory model's error taken as normal, its mean and spread
-    learned from the peaks the study measured (:meth:`memory_error`). A measured out-of-memory point (or one exact mode pruned) puts every
-    point predicted to need as much memory after the others.
+    learned from the peaks the study measured (:meth:`memory_error`). A measured out-of-memory
+    point (or one exact mode pruned) puts every point predicted to need as much memory after the
+    others.
 
     The search stops early once no open point can beat the best measured one by more than the
     noise even :attr:`STOP` standard deviations above its corrected prediction, at the largest
