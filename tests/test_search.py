@@ -314,6 +314,7 @@ def _setting(point) -> tuple:
 def _outdone(table, budget, known: Known, possible: set[int]) -> set[int]:
     """The points with one that recomputes less (:func:`recomputes_less`) and fits: measured to,
     or neither known nor ruled out (not in ``possible``) and predicted to; pair by pair."""
+    from slapo_tune.plan import knob_value
     from slapo_tune.search._samplers import recomputes_less
 
     points = table["points"]
@@ -323,8 +324,8 @@ def _outdone(table, budget, known: Known, possible: set[int]) -> set[int]:
                 and np.isfinite(table["log_prior"][i]) and table["peak"][i] <= budget)}
     return {i for i, p in enumerate(points)
             if any(_setting(points[j]) == _setting(p) and recomputes_less(
-                points[j]["ckpt_ratio"], points[j].get("ckpt_policy", "full"), p["ckpt_ratio"],
-                p.get("ckpt_policy", "full")) for j in fits)}
+                points[j]["ckpt_ratio"], knob_value(points[j], "ckpt_policy"), p["ckpt_ratio"],
+                knob_value(p, "ckpt_policy")) for j in fits)}
 
 
 def test_guided_leaves_out_the_points_beyond_a_measured_frontier_or_outdone(grid):

@@ -171,6 +171,7 @@ def test_the_recomputation_order_the_search_relies_on_is_the_runtimes():
     identically. Full at a lower ratio and selective at a higher one are left unordered: each
     runs ops the other does not (matmuls; more attention cores)."""
     from slapo_tune.search._samplers import recomputes_less
+    from slapo_tune.template import CKPT_SPREAD
 
     base = st.build(st.create_schedule(st.build_model("gpt2-tiny", attn_implementation="eager")))
     base.train()
@@ -179,7 +180,7 @@ def test_the_recomputation_order_the_search_relies_on_is_the_runtimes():
     for ratio in (0.0, 0.25, 0.5, 0.75, 1.0):
         for policy in ("full",) if ratio == 0 else ("full", "selective"):
             model = copy.deepcopy(base)
-            apply_checkpointing(blocks(st.create_schedule(model), "gpt2-tiny"), ratio, "uniform", policy=policy)
+            apply_checkpointing(blocks(st.create_schedule(model), "gpt2-tiny"), ratio, CKPT_SPREAD, policy=policy)
             counts[ratio, policy] = _step(model, batch)[2]
     unordered = 0
     for a, b in itertools.permutations(counts, 2):
