@@ -6,6 +6,11 @@ back to the generic decoder template; ``load_template(name)`` takes a registered
 :class:`slapo_tune.template.Template` instance), a ``Template`` subclass, or a schedule function
 with its knobs (``schedule`` and ``KNOBS``: see :mod:`search_spaces._user`). A template from a file
 records the file's absolute path and the SHA-256 of the content that ran (``Template.source``).
+
+A schedule file or a study is data: the template it names is looked up among the built-in ones
+only (:func:`recorded_template`). A file or module it names is Python, run with the user's rights,
+so it is loaded only when the user names it on the command line (``--space``), and a file only if
+its content still hashes to what the data recorded.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import types
 from pathlib import Path
 
+from slapo_tune._inputs import read_small_bytes
 from slapo_tune.errors import UsageError
 from slapo_tune.template import Template, TemplateSource
 
@@ -59,12 +65,7 @@ def _from_file(name: str, sha256: str | None = None) -> Template:
     """The template of a ``.py`` file, run from the bytes it hashes (what ran is what is recorded);
     with ``sha256``, only if they still hash to it (checked before anything runs)."""
     path = Path(name).resolve()
-    try:
-        text = path.read_bytes()
-    except FileNotFoundError:
-        raise UsageError(f"template file {name} does not exist") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read template file {name}: {exc.strerror or exc}") from None
+    text = read_small_bytes(path, "template file")
     found = hashlib.sha256(text).hexdigest()
     if sha256 is not None and found != sha256:
         raise UsageError(f"template file {path} is not the one tuned with: its sha256 is {found[:12]}..., the "
@@ -107,4 +108,26 @@ def load_template(name: str, sha256: str | None = None) -> Template:
     return _from_module(module, name)
 
 
-__all__ = ["TEMPLATES", "template_for", "load_template"]
+def recorded_template(reference: str | None, sha256: str | None, given: str | None, where: str) -> Template | None:
+    """The template a schedule file or a study records (``reference``: a built-in template's name,
+    or the file path or ``module:attr`` it was loaded from; None: none, chosen from the model's
+    config), as data: nothing it names is imported or run. A file or module is loaded only as the
+    user names it (``given``, their ``--space``); a file only if its content hashes to ``sha256``,
+    the content the schedule or study was made with, checked before it runs. The user's ``given``
+    also replaces a built-in template (its name and version are the caller's to check)."""
+    if given is not None:
+        template = load_template(given, sha256 if sha256 and Path(given).suffix == ".py" else None)
+        if sha256 and (template.source is None or template.source.sha256 != sha256):
+            raise UsageError(f"{where} was made with the template file {reference} (sha256 {sha256[:12]}...), not "
+                             f"with --space {given}; pass that file")
+        return template
+    if reference is None:
+        return None
+    if reference in TEMPLATES and not sha256:
+        return TEMPLATES[reference]
+    what = "template file" if sha256 else "template"
+    raise UsageError(f"{where} was made with the {what} {reference}, which is Python: slapo-tune runs it only when "
+                     f"you name it yourself; pass --space {reference}")
+
+
+__all__ = ["TEMPLATES", "template_for", "load_template", "recorded_template"]

@@ -17,6 +17,14 @@ from typing import Any
 
 from .errors import UsageError
 
+# the largest sizes and counts taken from a command line, a schedule file or the API: far above any
+# real cluster or run, yet small enough that nothing built from them (a space, a loop) runs for ever
+MAX_WORLD_SIZE = 2**20  # ranks
+MAX_BATCH = 2**31  # sequences in a global or micro-batch
+MAX_SEQ_LEN = 2**24  # tokens in a sequence
+MAX_COUNT = 2**31  # trials, steps, and every other count an option takes
+MAX_SEED = 2**32 - 1  # what every generator seeded from it (NumPy's too) accepts
+
 MAX_INPUT_BYTES = 4 * 2**20  # a schedule, a config, a storage URL file, a template: KiBs, never MiBs
 MAX_JSON_DEPTH = 32  # a schedule nests 3 deep, a model config 4-5
 

@@ -56,18 +56,20 @@ class LoadedSchedule:
 
 def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str | ModelSpec | None = None,
                   world_size: int | None = None, allow_model_mismatch: bool = False,
-                  template: Template | None = None) -> LoadedSchedule:
+                  template: Template | None = None, space: str | None = None) -> LoadedSchedule:
     """Read and check a ``best_schedule.json`` (a path, or its already parsed content).
 
     ``model`` trains another model than the one the file was tuned for (a preset name, a config
     path or a :class:`ModelSpec`); its config fingerprint must match the file's unless
     ``allow_model_mismatch`` (then the override is logged). ``world_size``, when given (e.g. from
-    ``torchrun``), must equal the schedule's. The file names a built-in template, or a template
-    file (``--space my_space.py``) by path and content hash: that file is loaded again only if its
-    content is still the one tuned with (the schedule file itself is data, never run). Another custom
-    template is passed as ``template``. Every problem is a :class:`UsageError` of one line.
+    ``torchrun``), must equal the schedule's. The file is data, and nothing it names is imported or
+    run: it names a built-in template, or a template file (``--space my_space.py`` when tuning) by
+    path and content hash, or a template module. A file or module is used only as the caller names
+    it: ``space`` (the user's ``--space``; a file must still hash to the recorded content, checked
+    before it runs), or ``template``, a template object the caller loaded. Every problem is a
+    :class:`UsageError` of one line.
     """
-    from search_spaces import TEMPLATES
+    from search_spaces import recorded_template
 
     from .models import config_fingerprint
 
@@ -102,28 +104,22 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     if world_size is not None and world_size != data["world_size"]:
         raise UsageError(f"{where}: the schedule is for {data['world_size']} ranks but this job has {world_size}; "
                          f"re-tune for {world_size} ranks or launch {data['world_size']}")
-    recorded_template = data["template"]
-    name, file = recorded_template["name"], recorded_template.get("file")
-    if template is None and file is None:
-        if name not in TEMPLATES:
-            raise UsageError(f"{where}: template {name!r} is not built in ({', '.join(TEMPLATES)}); load a custom "
-                             "template yourself and pass it (load_schedule(..., template=...))")
-        template = TEMPLATES[name]
-    # a template from a user's file is loaded from it again, if its content is the one tuned with
+    named = data["template"]
+    if template is None:
+        template = recorded_template(named.get("file", named["name"]), named.get("sha256"), space, where)
+    # (how ranks find the template again: the user's reference; a file's resolves to its path and hash)
     problem_spec = ProblemSpec(spec.name, data["world_size"], model_overrides=dict(spec.overrides),
-                               template=file if template is None else name,
-                               template_sha256=recorded_template.get("sha256") if template is None else None,
-                               global_batch=data["global_batch"], seq_len=data["seq_len"], precision=data["precision"],
-                               device=data["device"])
+                               template=space or template.name, global_batch=data["global_batch"], seq_len=data["seq_len"],
+                               precision=data["precision"], device=data["device"])
     try:
         problem = problem_spec.resolve(config, template)
     except UsageError as exc:
         raise UsageError(f"{where}: {exc}") from None
-    _check_template(problem.template, recorded_template, where)
+    _check_template(problem.template, named, where)
     knobs = data["knobs"]
     missing = [k for k in problem.space.names if k not in knobs]
     if missing:
-        raise UsageError(f"{where}: knobs {', '.join(missing)} missing (template {template.name} has "
+        raise UsageError(f"{where}: knobs {', '.join(missing)} missing (template {problem.template.name} has "
                          f"{', '.join(problem.space.names)})")
     try:
         plan = problem.plan({k: str(v) for k, v in knobs.items()})

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ._atomic import atomic_write_text
+from ._inputs import read_json_file
 from .errors import UsageError
 
 LATEST = "latest"
@@ -81,7 +82,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Path:
 def load_checkpoint(folder: Path, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     rank: int) -> dict[str, Any]:
     """Restore this rank's shard of ``params`` (as saved) in place; returns the checkpoint's metadata."""
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_json_file(folder / "meta.json", "checkpoint metadata")
+    if not isinstance(meta, dict):
+        raise UsageError(f"--resume: {folder / 'meta.json'} is not a JSON object")
     try:
         state = torch.load(folder / f"rank-{rank:05d}.pt", map_location="cpu", weights_only=True)
     except FileNotFoundError:

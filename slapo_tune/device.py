@@ -68,14 +68,23 @@ def visible_gpu_ids(count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
+# local cpu ranks per core beyond which a run is a fork bomb (each rank is a process of ~300 MB with
+# torch imported), not a trial: the tests run 4 ranks on 2 cores
+CPU_RANKS_PER_CORE = 16
+
+
 def default_concurrency(kind: str, world_size: int, devices: int) -> int:
     """Trials in flight by default: on ``cuda`` the trials that ``devices`` GPUs hold at one GPU per
     rank (a world larger than the GPUs is a :class:`UsageError`), on ``cpu`` the trials that
-    ``devices`` cores hold at a core per rank (at least 1: ranks of one trial may share cores)."""
+    ``devices`` cores hold at a core per rank (at least 1: ranks of one trial may share cores, up
+    to :data:`CPU_RANKS_PER_CORE` each, beyond which it is a :class:`UsageError`)."""
     if kind == "cuda":
         if world_size > devices:
             raise _too_few_gpus(world_size, devices)
         return devices // world_size
+    if devices and world_size > CPU_RANKS_PER_CORE * devices:
+        raise UsageError(f"{world_size} cpu ranks on this machine's {devices} core(s): at most {CPU_RANKS_PER_CORE} "
+                         "per core (each is a process); plan it with slapo-tune plan, or run it on a cluster")
     return max(1, devices // world_size)
 
 

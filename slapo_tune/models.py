@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._inputs import read_json_file
 from .errors import UsageError
 
 if TYPE_CHECKING:  # torch is imported where a model is built: planning needs none
@@ -148,20 +149,59 @@ def load_config(name_or_path: str | os.PathLike, **overrides: Any):
         path = Path(name)
         if path.is_dir():
             path = path / "config.json"
-        if not path.is_file():
+        if not path.exists():  # (something else than a file there is read_json_file's to refuse)
             raise UsageError(
                 f"unknown model '{name}': not a preset ({', '.join(preset_names())}) and no config.json at that path"
             )
+        # bounded, a regular file, nested a few levels: what transformers then reads is small and sane
+        if not isinstance(read_json_file(path, "model config"), dict):
+            raise UsageError(f"model config {path} is not a JSON object")
         try:
             config = transformers.AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path))
-        except (ValueError, OSError, json.JSONDecodeError, KeyError) as exc:
-            raise UsageError(f"cannot read model config {path}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - transformers' validators raise many kinds: one line
+            raise UsageError(f"cannot read model config {path}: {_first_line(exc)}") from None
     for key, value in overrides.items():
         key = _CONFIG_ALIASES.get(key, key)
         if not hasattr(config, key) and not key.startswith("_"):
             raise UsageError(f"model config {type(config).__name__} has no field '{key}'")
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except Exception as exc:  # noqa: BLE001 - a config's own validator refusing the value
+            raise UsageError(f"model {name}: {key}={value!r} is refused by its config: {_first_line(exc)}") from None
+    problem = architecture_problem(config)
+    if problem:
+        raise UsageError(f"model {name}: {problem}")
     return config
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message, first non-blank line (a validator's cause, where it wraps one)."""
+    cause = exc.__cause__ or exc
+    text = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
+
+
+# the sizes every transformer config has (Hugging Face maps each family's own names onto these)
+_POSITIVE_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
+def architecture_problem(config) -> str:
+    """Why ``config`` describes no buildable transformer (no layers, a size that is not a positive
+    integer, a hidden size the attention heads do not divide), or "" when it does. Checked when a
+    config is loaded, so a bad one is one line before a template, the cost model or a rank meets it."""
+    for name in _POSITIVE_SIZES:
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} must be a positive integer, got {value!r}"
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if heads and hidden and getattr(config, "head_dim", None) is None and hidden % heads:
+        return f"hidden size {hidden} is not divisible by its {heads} attention heads"
+    if heads and isinstance(kv_heads, int) and not isinstance(kv_heads, bool) and (kv_heads < 1 or heads % kv_heads):
+        return f"its {heads} attention heads are not divisible by its {kv_heads} key/value heads"
+    return ""
 
 
 def model_family(config) -> str:

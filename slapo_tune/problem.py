@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ._inputs import MAX_BATCH, MAX_SEQ_LEN, MAX_WORLD_SIZE
 from .errors import UsageError
 from .models import ModelSpec
 from .plan import Plan, Workload
@@ -46,6 +47,14 @@ def default_seq_len(config, device: str = "cpu") -> int:
     return min(MAX_DEFAULT_SEQ_LEN, positions) if known else MAX_DEFAULT_SEQ_LEN
 
 
+_NONE = type(None)
+# ProblemSpec's fields as a study records them (JSON): their types
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str,), "world_size": (int,), "model_overrides": (dict,), "template": (str, _NONE),
+    "global_batch": (int, _NONE), "seq_len": (int, _NONE), "precision": (str,), "device": (str,),
+    "memory_budget": (int, _NONE), "template_sha256": (str, _NONE)}
+
+
 @dataclass(frozen=True)
 class ProblemSpec:
     """What the user asked for. ``template`` is a registered name, ``module:attribute`` or a
@@ -66,6 +75,24 @@ class ProblemSpec:
     memory_budget: int | None = None
     template_sha256: str | None = None
 
+    @classmethod
+    def from_record(cls, record: Any, where: str) -> ProblemSpec:
+        """The spec a study recorded (``dataclasses.asdict`` of one), checked field by field: a
+        study is data another driver (or anyone with the storage) wrote, so a malformed record is
+        a one-line :class:`UsageError`, not a traceback."""
+        if not isinstance(record, dict) or not isinstance(record.get("model"), str):
+            raise UsageError(f"{where}: its recorded problem is not a slapo-tune problem (no model name)")
+        for name, value in record.items():
+            kinds = _RECORD_TYPES.get(name)
+            if kinds is None:
+                raise UsageError(f"{where}: its recorded problem has an unknown field '{name}'")
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise UsageError(f"{where}: its recorded problem's {name} is {type(value).__name__}, not "
+                                 f"{' or '.join(k.__name__ for k in kinds)}")
+        if record.get("memory_budget") is None:
+            raise UsageError(f"{where}: its recorded problem has no memory budget")
+        return cls(**record)
+
     @property
     def model_spec(self) -> ModelSpec:
         return ModelSpec(self.model, dict(self.model_overrides))
@@ -78,8 +105,11 @@ class ProblemSpec:
 
         from .precision import precision
 
-        if self.world_size < 1:
-            raise UsageError(f"the world size must be a positive integer, got {self.world_size}")
+        for name, value, most in (("world size", self.world_size, MAX_WORLD_SIZE),
+                                  ("global batch", self.global_batch, MAX_BATCH),
+                                  ("sequence length", self.seq_len, MAX_SEQ_LEN)):
+            if value is not None and not 1 <= value <= most:
+                raise UsageError(f"the {name} must be an integer from 1 to {most}, got {value}")
         try:
             precision(self.precision)
         except Exception as exc:  # noqa: BLE001 - the runtime's ScheduleError, as a usage error

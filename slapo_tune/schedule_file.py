@@ -2,8 +2,12 @@
 tuned schedule point. Plain JSON data, validated field by field on load, never executed.
 
 A template loaded from a user's ``.py`` file (``--space my_space.py``) is recorded with that
-file's absolute path and the SHA-256 of its content (``template.file``, ``template.sha256``):
-training loads the file again, and refuses it when it is missing or its content changed.
+file's absolute path and the SHA-256 of its content (``template.file``, ``template.sha256``). The
+file is Python, so the schedule only points at it: training runs it only when the user names it
+(``train --space``), and refuses it when its content is not the recorded one.
+
+A file is read only if it is a regular file of at most :data:`slapo_tune._inputs.MAX_INPUT_BYTES`,
+nested at most :data:`slapo_tune._inputs.MAX_JSON_DEPTH` deep.
 
 Version 2 names the training precision (``precision``: ``fp32``, ``amp-bf16``, ``bf16``; see
 :mod:`slapo_tune.precision`) and allows ``zero`` 1 and 2. Version-1 files still load: their
@@ -16,12 +20,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from ._atomic import atomic_write_text
+from ._inputs import MAX_BATCH, MAX_SEQ_LEN, MAX_WORLD_SIZE, parse_json, read_small_text
 from .errors import UsageError
 from .plan import Plan
 
@@ -52,9 +57,12 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 
 
+DEVICES = ("cpu", "cuda")  # where a schedule was tuned (the ranks' kind of device)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
 # generous bounds: a tampered size must fail here, not make the space enumeration run for ever
-_LIMITS = {"world_size": 2**20, "global_batch": 2**31, "micro_batch": 2**31, "accumulation": 2**31,
-           "seq_len": 2**24}
+_LIMITS = {"world_size": MAX_WORLD_SIZE, "global_batch": MAX_BATCH, "micro_batch": MAX_BATCH, "accumulation": MAX_BATCH,
+           "seq_len": MAX_SEQ_LEN}
 
 
 def library_versions() -> dict[str, str]:
@@ -113,9 +121,12 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
         if not isinstance(data["template"].get(name), str):
             raise UsageError(f"{where}: template.{name} must be a string")
     if "file" in data["template"] or "sha256" in data["template"]:  # a template from a user's .py file
-        for name in ("file", "sha256"):
-            if not isinstance(data["template"].get(name), str):
-                raise UsageError(f"{where}: template.{name} must be a string (the template's file and its hash)")
+        file, sha256 = data["template"].get("file"), data["template"].get("sha256")
+        if not isinstance(file, str) or not file.endswith(".py") or not os.path.isabs(file):
+            raise UsageError(f"{where}: template.file must be the absolute path of a .py file, got {file!r}")
+        if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+            raise UsageError(f"{where}: template.sha256 must be 64 hexadecimal digits (the file's SHA-256), "
+                             f"got {sha256!r}")
     if not isinstance(data["model"].get("name"), str):
         raise UsageError(f"{where}: model.name must be a string")
     for key, value in data["knobs"].items():
@@ -125,6 +136,8 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
 
     if data["precision"] not in PRECISIONS:
         raise UsageError(f"{where}: precision {data['precision']!r} is not one of {', '.join(PRECISIONS)}")
+    if data["device"] not in DEVICES:
+        raise UsageError(f"{where}: device {data['device']!r} is not one of {', '.join(DEVICES)}")
     for name, limit in _LIMITS.items():
         if data[name] < 1:
             raise UsageError(f"{where}: {name} must be positive, got {data[name]}")
@@ -159,15 +172,5 @@ def write_schedule(path: str | os.PathLike, schedule: Mapping[str, Any]) -> None
 
 def read_schedule(path: str | os.PathLike) -> dict[str, Any]:
     """Load and validate a schedule file (UsageError with one line on any problem)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UsageError(f"schedule file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read schedule file {path}: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"schedule file {path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = parse_json(read_small_text(path, "schedule file"), f"schedule file {path}")
     return validate(data, str(path))

@@ -353,7 +353,9 @@ def coerce(space: Space, raw: Mapping[str, str]) -> dict[str, Any]:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n``, ascending, found in O(sqrt n) steps (a world of 2^20 ranks: 1,024)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def product_size(domains: Mapping[str, Sequence[Any]]) -> int:

@@ -33,6 +33,7 @@ log = logging.getLogger("slapo_tune")
 class TrainConfig:
     schedule: str
     model: str | None = None
+    space: str | None = None  # the template the user names (a schedule only names its file: it runs none)
     allow_model_mismatch: bool = False
     data: str = "synthetic"
     steps: int = 30
@@ -151,7 +152,7 @@ def train_rank(ctx, config: TrainConfig) -> list[float]:
     # set-up counts from the command's start (ranks spawned, libraries imported), else from here (torchrun)
     begun = time.monotonic() - (time.time() - config.started_at if config.started_at else 0.0)
     rank = dist.get_rank()
-    loaded = load_schedule(config.schedule, model=config.model, world_size=dist.get_world_size(),
+    loaded = load_schedule(config.schedule, model=config.model, world_size=dist.get_world_size(), space=config.space,
                            allow_model_mismatch=config.allow_model_mismatch)
     torch.manual_seed(config.seed)
     model = pretrained_model(config.init_from, loaded.model) if config.init_from else None
@@ -205,7 +206,7 @@ def run_under_torchrun(config: TrainConfig) -> list[float]:
     from .launch import RankContext
 
     world = int(os.environ["WORLD_SIZE"])
-    load_schedule(config.schedule, model=config.model, world_size=world,
+    load_schedule(config.schedule, model=config.model, world_size=world, space=config.space,
                   allow_model_mismatch=config.allow_model_mismatch)  # fail before joining the group
     local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -11,24 +11,33 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6,
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
 
 
+MAX_SIZE = 2**60  # bytes (an exbibyte): far above any device's memory
+MAX_DURATION = 366 * 24 * 3600.0  # seconds: a year and a day
+_TEXT_MAX = 40  # characters of a size or duration (a 100,000-digit number is no size)
+
+
 def parse_size(text: str) -> int:
-    """``80GiB``, ``400MiB``, ``16GB``, ``1.5TiB`` or bytes -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    """``80GiB``, ``400MiB``, ``16GB``, ``1.5TiB`` or bytes -> bytes (above 0, at most :data:`MAX_SIZE`)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text)) if len(str(text)) <= _TEXT_MAX else None
     unit = match.group(2).lower() if match else None
     if not match or unit not in _SIZE_UNITS:
-        raise UsageError(f"unparsable size '{text}' (use e.g. 80GiB, 400MiB, 16GB)")
+        raise UsageError(f"unparsable size '{str(text)[:_TEXT_MAX]}' (use e.g. 80GiB, 400MiB, 16GB)")
     value = float(match.group(1)) * _SIZE_UNITS[unit]
-    if value <= 0:
-        raise UsageError(f"size must be positive, got '{text}'")
+    if value < 1 or value > MAX_SIZE:
+        raise UsageError(f"size must be from 1 byte to {MAX_SIZE // 2**60} EiB, got '{text}'")
     return int(value)
 
 
 def parse_duration(text: str) -> float:
-    """``90``/``90s``, ``30m``, ``2h`` -> seconds."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "")
+    """``90``/``90s``, ``30m``, ``2h`` -> seconds (above 0, at most :data:`MAX_DURATION`: a limit of
+    0 s would end every trial before it started)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", text or "") if len(text or "") <= _TEXT_MAX else None
     if not match:
-        raise UsageError(f"unparsable duration '{text}' (examples: 90s, 30m, 2h)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        raise UsageError(f"unparsable duration '{(text or '')[:_TEXT_MAX]}' (examples: 90s, 30m, 2h)")
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not 0 < seconds <= MAX_DURATION:
+        raise UsageError(f"a duration must be above 0 and at most 366 days, got '{text.strip()}'")
+    return seconds
 
 
 def format_size(n: float) -> str:

@@ -113,10 +113,10 @@ def test_the_template_and_model_must_be_named(tmp_path, section, key, message):
 
 def test_unreadable_files_are_one_line_errors(tmp_path):
     (tmp_path / "dir.json").mkdir()
-    with pytest.raises(UsageError, match="cannot read schedule file"):
+    with pytest.raises(UsageError, match="schedule file .*dir.json is a directory"):
         read_schedule(tmp_path / "dir.json")
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(UsageError, match="cannot read schedule file"):
+    with pytest.raises(UsageError, match="schedule file .*binary.json is not UTF-8 text"):
         read_schedule(tmp_path / "binary.json")
 
 

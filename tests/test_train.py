@@ -278,7 +278,7 @@ def _edit(path: Path, **changes) -> Path:
     ("tampered", "tp=3 is not legal"),
     ("model", "was tuned for model 'gpt2-tiny'"),
     ("world", "is for 2 ranks but this job has 4"),
-    ("template", "is not built in"),
+    ("template", "was made with the template os:system, which is Python"),
     ("precision", "precision 'banana' is not one of fp32, amp-bf16, bf16"),
     ("init-missing", "no such folder"),
     ("init-empty", "not a Hugging Face checkpoint folder"),

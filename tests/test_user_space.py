@@ -68,16 +68,21 @@ def test_the_readme_knob_is_tuned_exported_and_trained(tmp_path, capfd, monkeypa
     assert schedule["knobs"]["sdpa_backend"] in ("auto", "math")
 
     capfd.readouterr()
+    # the schedule only names the file: it runs when the user names it too
+    err = _one_line_error(capfd, ["train", "--schedule", str(out / "best_schedule.json")])
+    assert f"was made with the template file {space.resolve()}, which is Python" in err
+    assert f"pass --space {space.resolve()}" in err
     with monkeypatch.context() as patch:
         patch.setattr(slapo_tune.launch, "launch", _in_process_launch)
-        assert main(["train", "--schedule", str(out / "best_schedule.json"), "--steps", "2"]) == 0
+        assert main(["train", "--schedule", str(out / "best_schedule.json"), "--space", str(space),
+                     "--steps", "2"]) == 0
     assert re.search(r"^step 2/2 loss [0-9.]+", capfd.readouterr().out, re.M)
 
     space.write_text(code + "# edited\n")
-    err = _one_line_error(capfd, ["train", "--schedule", str(out / "best_schedule.json")])
+    err = _one_line_error(capfd, ["train", "--schedule", str(out / "best_schedule.json"), "--space", str(space)])
     assert f"template file {space.resolve()} is not the one tuned with" in err
     space.unlink()
-    err = _one_line_error(capfd, ["train", "--schedule", str(out / "best_schedule.json")])
+    err = _one_line_error(capfd, ["train", "--schedule", str(out / "best_schedule.json"), "--space", str(space)])
     assert f"template file {space.resolve()} does not exist" in err
 
 

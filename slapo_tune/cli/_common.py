@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from .._inputs import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ_LEN, MAX_WORLD_SIZE
+from ..errors import UsageError
 from ..problem import ProblemSpec
 
 if TYPE_CHECKING:
@@ -14,24 +16,61 @@ if TYPE_CHECKING:
 DEVICE_HELP = "where ranks run: cpu or cuda (default: cuda when torch.cuda.is_available(), else cpu)"
 
 
-def _int_from(text: str, least: int, what: str) -> int:
+def _int_from(text: str, least: int, most: int, what: str) -> int:
+    if len(text) > len(str(most)) + 2:  # (int() of a 100,000-digit text is itself slow)
+        shown = text if len(text) <= 24 else f"{text[:24]}... ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"expected {what} of at most {most}, got {shown}")
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got '{text}'") from None
     if value < least:
         raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"expected {what} of at most {most}, got {value}")
     return value
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    return _int_from(text, 1, "a positive integer")
+def bounded_int(least: int, most: int, what: str):
+    """An argparse type: an integer from ``least`` to ``most`` (``what`` says so when it is not)."""
+    def parse(text: str) -> int:
+        return _int_from(text, least, most, what)
+
+    parse.__name__ = what  # (argparse names the type in some messages)
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    return _int_from(text, 0, "an integer of 0 or more")
+positive_int = bounded_int(1, MAX_COUNT, "a positive integer")
+non_negative_int = bounded_int(0, MAX_COUNT, "an integer of 0 or more")
+world_size_int = bounded_int(1, MAX_WORLD_SIZE, "a positive integer")
+batch_int = bounded_int(1, MAX_BATCH, "a positive integer")
+seq_len_int = bounded_int(1, MAX_SEQ_LEN, "a positive integer")
+seed_int = bounded_int(0, MAX_SEED, "an integer of 0 or more")
+
+
+def positive_float(most: float, what: str):
+    """An argparse type: a finite number above 0 and at most ``most`` (NaN and infinity refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got '{text[:24]}'") from None
+        if not 0 < value <= most:  # (False for NaN too)
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text[:24]}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def duration(text: str) -> float:
+    """An argparse type: a positive duration as :func:`slapo_tune.units.parse_duration` reads it."""
+    from ..units import parse_duration
+
+    try:
+        return parse_duration(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_problem_arguments(p: argparse.ArgumentParser, *, model: str | None = None, world_size: int | None = None,
@@ -41,18 +80,28 @@ def add_problem_arguments(p: argparse.ArgumentParser, *, model: str | None = Non
     p.add_argument("--model", required=model is None, default=model,
                    help="preset name or path to a config.json / model directory"
                    + (" (default: %(default)s)" if model else ""))
-    p.add_argument("--world-size", type=positive_int, required=world_size is None, default=world_size,
+    p.add_argument("--world-size", type=world_size_int, required=world_size is None, default=world_size,
                    help="number of ranks" + (" (default: %(default)s)" if world_size else ""))
     p.add_argument("--space", default=None,
                    help="template: gpt2, llama, bert, opt, generic, module:attr, or a .py file defining a Template "
                         "or schedule(sch, point) with KNOBS (default: from the config)")
-    p.add_argument("--global-batch", type=positive_int, default=global_batch,
+    p.add_argument("--global-batch", type=batch_int, default=global_batch,
                    help="global batch, held fixed (default: %(default)s)" if global_batch else
                    "global batch in sequences, held fixed (default: on cpu 8 x world size; on cuda the multiple "
                    "of the world size closest to 2^22 tokens, about 4M)")
-    p.add_argument("--seq-len", type=positive_int, default=None,
+    p.add_argument("--seq-len", type=seq_len_int, default=None,
                    help="sequence length (default: on cpu 128, or the model's positions if fewer; on cuda the "
                    "model's context length)")
+
+
+def add_space_argument(p: argparse.ArgumentParser, recorded_in: str = "study") -> None:
+    """``--space`` where a study or a schedule file names its template (``export``, ``show``,
+    ``train``): they are data, so a template file or module named there is loaded only when the
+    user names it too."""
+    p.add_argument("--space", default=None, metavar="TEMPLATE",
+                   help=f"the template file (or module:attr) the {recorded_in} was tuned with, when it is not a "
+                        f"built-in one: a {recorded_in} only names it, and a file runs only if its content is the "
+                        "one tuned with")
 
 
 def add_precision_argument(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -89,7 +138,6 @@ def device_of(requested: str | None, *, here: bool = True) -> DeviceSetup:
     machine). A hardware preset there, the option's old meaning, is refused with the new spelling."""
     from ..cost_model import PRESETS
     from ..device import device_setup
-    from ..errors import UsageError
 
     if requested in PRESETS:
         raise UsageError(f"--device {requested} is a hardware preset: use --hardware {requested} "

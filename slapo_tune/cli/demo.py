@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ._common import positive_int
+from ._common import world_size_int
 
 if TYPE_CHECKING:
     from ..problem import ProblemSpec
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2-tiny",
                    help="preset or config.json of any template's family, e.g. gpt2-tiny, llama-tiny, bert-tiny, "
                         "opt-tiny (default: %(default)s)")
-    p.add_argument("--world-size", type=positive_int, default=2,
+    p.add_argument("--world-size", type=world_size_int, default=2,
                    help="CPU ranks, the tensor-parallel degree: it must divide the heads, vocabulary and MLP "
                         "width (default: %(default)s)")
 

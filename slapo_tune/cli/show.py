@@ -13,12 +13,13 @@ WIDTH = 100  # the table fits a terminal of this many columns
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ._common import add_storage_arguments
+    from ._common import add_space_argument, add_storage_arguments
 
     p.add_argument("folder", nargs="?", default=None,
                    help="a study's output folder (tune --out), holding trials.csv; or give the study's storage")
     add_storage_arguments(p, "the folder")
     p.add_argument("--study", default=None, help="the study in --storage (default: its only study)")
+    add_space_argument(p)
     view = p.add_mutually_exclusive_group()
     view.add_argument("--all", action="store_true", help="every column of the trials table, as a wide text table")
     view.add_argument("--csv", action="store_true", help="the trials table as CSV, for another tool")
@@ -92,9 +93,10 @@ def run(args: argparse.Namespace) -> int:
         from ..search._storage import storage_url
 
         with tempfile.TemporaryDirectory(prefix="slapo-tune-show-") as scratch:
-            export(storage_url(args.storage, args.storage_file), args.study, Path(scratch), report=False)
+            export(storage_url(args.storage, args.storage_file), args.study, Path(scratch), report=False,
+                   space=args.space)
             return _show(Path(scratch), args)
-    if args.storage or args.storage_file or args.study:
+    if args.storage or args.storage_file or args.study or args.space:
         raise UsageError("give a results folder or --storage/--storage-file (with --study), not both")
     return _show(Path(args.folder), args)
 

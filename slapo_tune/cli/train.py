@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
-from ._common import add_device_argument, device_of, positive_int
+from ._common import (
+    add_device_argument,
+    add_space_argument,
+    device_of,
+    duration,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    seed_int,
+    world_size_int,
+)
+
+MAX_LEARNING_RATE = 1e3  # far above any rate that trains: a typo (1e30) or inf is refused
 
 HELP = "train with an exported schedule (local ranks, or under torchrun)"
 
@@ -13,21 +26,23 @@ HELP = "train with an exported schedule (local ranks, or under torchrun)"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", required=True, help="a best_schedule.json from slapo-tune tune")
     p.add_argument("--model", default=None, help="train this model instead of the schedule's (preset or config)")
+    add_space_argument(p, "schedule")
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="use the schedule on a model whose config differs from the one it was tuned for")
-    p.add_argument("--world-size", type=positive_int, default=None,
+    p.add_argument("--world-size", type=world_size_int, default=None,
                    help="expected number of ranks (must equal the schedule's)")
     p.add_argument("--data", default="synthetic", help="synthetic (default), a text file or a .npy of token ids")
     p.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
+    p.add_argument("--lr", type=positive_float(MAX_LEARNING_RATE, "a positive learning rate"), default=1e-3, help="AdamW's learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and the data (default: %(default)s)")
     p.add_argument("--save", default=None, help="checkpoint folder (written at the end and every --save-every)")
-    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    p.add_argument("--keep", type=int, default=2, help="checkpoints kept (default: %(default)s)")
+    p.add_argument("--save-every", type=non_negative_int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept (default: %(default)s)")
     p.add_argument("--resume", default=None, help="continue from the latest checkpoint in this folder")
     p.add_argument("--init-from", default=None, help="initial weights from a Hugging Face checkpoint folder")
     p.add_argument("--log-every", type=positive_int, default=1, help="steps between log lines (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=24 * 3600.0, help="seconds before the ranks are killed (default: %(default)s)")
+    p.add_argument("--timeout", type=duration, default=24 * 3600.0,
+                   help="seconds (or 30m, 2h) before the ranks are killed (default: %(default)s)")
     add_device_argument(p)
 
 
@@ -36,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from ..train import TrainConfig, run_under_torchrun, under_torchrun
     from . import EXIT_OK
 
-    config = TrainConfig(schedule=args.schedule, model=args.model, allow_model_mismatch=args.allow_model_mismatch,
+    config = TrainConfig(schedule=args.schedule, model=args.model, space=args.space,
+                         allow_model_mismatch=args.allow_model_mismatch,
                          data=args.data, steps=args.steps, lr=args.lr, seed=args.seed, save=args.save,
                          save_every=args.save_every, keep=args.keep, resume=args.resume, init_from=args.init_from,
                          log_every=args.log_every, device=args.device, started_at=time.time())
@@ -49,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from ..launch import RankFailure, launch
     from ..train import checkpoint_files, train_rank
 
-    loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size,
+    loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size, space=args.space,
                            allow_model_mismatch=args.allow_model_mismatch)
+    if args.space:  # the ranks load the template the user named here: a file by its absolute path
+        config = dataclasses.replace(config, space=loaded.problem.spec.template)
     setup = device_of(args.device)
     setup.check_world(loaded.world_size)  # one GPU per rank on cuda
     TrainingData(args.data, loaded.problem.config.vocab_size, loaded.workload.global_batch,

@@ -19,6 +19,7 @@ from ._common import (
     non_negative_int,
     positive_int,
     problem_spec,
+    seed_int,
 )
 
 HELP = "search for the fastest schedule that fits, running real trials"
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_hardware_argument(p, "the visible GPU's preset on cuda, this machine measured on cpu")
     p.add_argument("--trials", type=positive_int, default=12, help="trials to launch (default: %(default)s)")
     p.add_argument("--time-budget", default=None, help="stop launching after this long, e.g. 30m")
-    p.add_argument("--patience", type=int, default=None, help="stop after N trials without improvement")
+    p.add_argument("--patience", type=positive_int, default=None, help="stop after N trials without improvement")
     p.add_argument("--confirm", type=non_negative_int, default=3, metavar="N",
                    help="at the end, measure the best trial and those within the noise of it (at most N) again, "
                         "side by side in alternating rounds, and crown from that; 0: crown the best trial as "
@@ -66,11 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-dashboard", action="store_true",
                    help="with --ray-address local: leave the Ray head (and its dashboard) up after the study and "
                         "print the command that stops it")
-    p.add_argument("--concurrency", type=int, default=None, help="trials in flight (default: what the cluster holds)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="trials in flight (default: what the cluster holds)")
     p.add_argument("--measured-steps", type=positive_int, default=3,
                    help="timed steps of each trial, after its warm-up step (default: %(default)s)")
     p.add_argument("--trial-timeout", default="5m", help="wall-clock limit of one trial (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="the search's seed (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="the search's seed (default: %(default)s)")
     p.add_argument("--out", default=None, help="output folder (default: results/<model>-w<world>)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quiet", action="store_true", help="only the final summary")

@@ -9,7 +9,9 @@ from ._common import (
     add_precision_argument,
     add_problem_arguments,
     device_of,
+    duration,
     problem_spec,
+    seed_int,
 )
 
 HELP = "check one schedule point against the unscheduled model on local ranks"
@@ -19,9 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p, global_batch=8)
     p.add_argument("--knobs", default="", help="e.g. tp=2,pp=2,ckpt_ratio=0.5 (others: first legal value; default: the first legal point)")
     add_precision_argument(p, "fp32")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before the ranks are killed (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the weights and the batch (default: %(default)s)")
+    p.add_argument("--timeout", type=duration, default=600.0,
+                   help="seconds (or 10m, 1h) before the ranks are killed (default: %(default)s)")
     add_device_argument(p)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._atomic import atomic_write_text
+from .._inputs import parse_json
 from ..device import DeviceSetup, default_concurrency, device_setup
 from ..errors import UsageError
 from ._storage import STORAGE_ENV
@@ -397,9 +398,10 @@ def runtime_env_of(value: str | None) -> dict | None:
             raise UsageError(f"--runtime-env: no wheel at {value}")
         return {"py_modules": [str(wheel.resolve())]}
     try:
-        env = json.loads(value)
-    except ValueError:
+        env = parse_json(value, "--runtime-env")
+    except UsageError:
         env = None
     if not isinstance(env, dict):
-        raise UsageError(f"--runtime-env '{value}': expected package, a .whl file or a JSON object")
+        shown = value if len(value) <= 60 else f"{value[:60]}..."
+        raise UsageError(f"--runtime-env '{shown}': expected package, a .whl file or a JSON object")
     return env

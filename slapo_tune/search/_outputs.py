@@ -153,13 +153,17 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
     )
 
 
-def export(storage: str | None, study_name: str | None, out: Path, report: bool = True) -> str:
+def export(storage: str | None, study_name: str | None, out: Path, report: bool = True,
+           space: str | None = None) -> str:
     """Write ``trials.csv``, ``best_schedule.json`` (and with ``report`` the report) of the study
     ``study_name`` in ``storage`` into ``out``, from the study alone: a study run anywhere (a Ray
     Job, another driver's machine) read back here. ``study_name`` None: the storage's only study.
     Returns the study's name; UsageError when there is no such study or it was not written by
-    the tuner."""
+    the tuner. The study is data: a template file or module it names is loaded only as the user
+    names it (``space``, their ``--space``; see :func:`search_spaces.recorded_template`)."""
     import optuna
+
+    from search_spaces import recorded_template
 
     from ..errors import UsageError
     from ..problem import ProblemSpec
@@ -184,6 +188,9 @@ def export(storage: str | None, study_name: str | None, out: Path, report: bool 
     if recorded is None:
         raise UsageError(f"study '{study_name}' in {shown} was not written by slapo-tune tune "
                          f"(or by a version that kept its outputs in the results folder only)")
-    problem = ProblemSpec(**recorded["problem"]).resolve()
+    where = f"study '{study_name}' in {shown}"
+    spec = ProblemSpec.from_record(recorded.get("problem") if isinstance(recorded, dict) else None, where)
+    template = recorded_template(spec.template, spec.template_sha256, space, where)
+    problem = spec.resolve(template=template)
     Outputs(out, problem, recorded["strategy"], recorded.get("command")).finish(study, report=report)
     return study_name
