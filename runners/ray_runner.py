@@ -3,8 +3,11 @@
 Each trial gets fresh actors (a crashed or poisoned rank never carries over into the next trial)
 in a placement group of ``world_size`` bundles: GPU bundles when the trial runs on CUDA,
 (fractional) CPU bundles otherwise. Rank 0 hosts the rendezvous store on a port its OS picks, at
-its node's address (listening there only); gloo and NCCL use the network interface that holds
-that address (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name one). Actors are named after
+its node's address (listening there only: the loopback under a local head); gloo and NCCL use the
+network interface that holds that address. Where GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name an
+interface (``tune --net-if``), the store listens at that interface's address and gloo and NCCL
+use it. The store has no authentication of its own: on an attached cluster, whoever reaches that
+address and port can join a trial's rendezvous while it lasts. Actors are named after
 the trial and its knobs, so the Ray dashboard shows what runs. On the first failure, or when the
 time limit passes, every actor is killed and the group removed, which frees the bundles at once.
 Each result names the node and device of every rank (``TrialResult.nodes``). After a trial lost a
@@ -15,6 +18,7 @@ dead), not from the CPUs it had.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
 import time
@@ -22,7 +26,7 @@ from typing import Any
 
 from slapo_tune.device import NCCL_ENV, collective_timeout, default_concurrency, device_setup
 from slapo_tune.errors import UsageError
-from slapo_tune.launch import RankFailure
+from slapo_tune.launch import INTERFACE_VARIABLES, RankFailure
 from slapo_tune.plan import TrialStatus, short_name
 
 from ._base import Runner
@@ -34,28 +38,52 @@ LOST_RANK_GRACE = 60.0
 # how long, after a trial lost a node, the runner waits for Ray to declare that node dead before it
 # sizes the next trial's bundles (Ray's health checks take about 30 s)
 NODE_DEATH_WAIT = 60.0
-# the variables that name the network interface of gloo's and NCCL's connections
-INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def host_interfaces() -> dict[str, list[str]]:
+    """This host's network interfaces: name -> IP addresses (by psutil, which Ray ships)."""
+    import psutil
+
+    return {name: [a.address for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
+            for name, addresses in psutil.net_if_addrs().items()}
 
 
 def rendezvous_interface(ip: str, interfaces: dict[str, list[str]] | None = None) -> str | None:
     """The network interface holding address ``ip`` (the node's Ray address), for gloo and NCCL:
     on a host with several interfaces they would otherwise take the one the hostname resolves to,
-    which the other nodes may not reach. ``interfaces``: name -> addresses (default: this host's,
-    by psutil, which Ray ships). None when no interface holds it."""
-    if interfaces is None:
-        import psutil
-
-        interfaces = {name: [a.address for a in addresses] for name, addresses in psutil.net_if_addrs().items()}
+    which the other nodes may not reach. ``interfaces``: name -> addresses (default:
+    :func:`host_interfaces`). None when no interface holds it."""
+    interfaces = host_interfaces() if interfaces is None else interfaces
     return next((name for name, addresses in interfaces.items() if ip in addresses), None)
+
+
+def named_interface(environ=os.environ) -> str | None:
+    """The interface GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names (``tune --net-if``, or the
+    user's), if any."""
+    return next((environ[v] for v in INTERFACE_VARIABLES if environ.get(v)), None)
+
+
+def store_address(node_ip: str, environ=os.environ, interfaces: dict[str, list[str]] | None = None) -> str:
+    """Where rank 0's rendezvous store listens: ``node_ip`` (the node's Ray address) unless an
+    interface is named (:func:`named_interface`); then ``node_ip`` if that interface holds it, else
+    its first IPv4 address, else its first IPv6 one (a link-local one needs a scope the other nodes
+    cannot know). A named interface without such an address on this node: ``node_ip`` (gloo or
+    NCCL then fails the trial, naming the interface)."""
+    named = named_interface(environ)
+    if not named:
+        return node_ip
+    interfaces = host_interfaces() if interfaces is None else interfaces
+    addresses = [a for a in interfaces.get(named, []) if not ipaddress.ip_address(a.split("%")[0]).is_link_local]
+    if not addresses or node_ip in addresses:
+        return node_ip
+    return sorted(addresses, key=lambda a: ":" in a)[0]  # IPv4 first
 
 
 def choose_interface(ip: str, environ=os.environ, interfaces: dict[str, list[str]] | None = None) -> str | None:
     """Set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (where unset) in ``environ`` to the interface
     holding ``ip``; one already set (``tune --net-if``, or the user's) wins for both. Returns the
     interface used (None: left to gloo and NCCL)."""
-    chosen = next((environ[v] for v in INTERFACE_VARIABLES if environ.get(v)), None)
-    chosen = chosen or rendezvous_interface(ip, interfaces)
+    chosen = named_interface(environ) or rendezvous_interface(ip, interfaces)
     for variable in INTERFACE_VARIABLES:
         if chosen and not environ.get(variable):
             environ[variable] = chosen
@@ -87,8 +115,9 @@ class _RankActor:
         import ray
         import torch.distributed as dist
 
-        # listening at the node's address only (the loopback under a local head), not on every interface
-        host = ray.util.get_node_ip_address()
+        # a TCPStore given a host still listens on every interface: it is handed a socket bound to
+        # one address instead (:func:`store_address`: the loopback under a local head)
+        host = store_address(ray.util.get_node_ip_address())
         listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._store = dist.TCPStore(host, listener.getsockname()[1], self.world_size, is_master=True,
                                     wait_for_workers=False, timeout=timedelta(seconds=300),

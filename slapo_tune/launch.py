@@ -1,9 +1,13 @@
 """Run a function on N local ranks, each in its own process, and always clean up.
 
-The parent hosts the rendezvous store on a port the OS picks (no free-port race), each rank runs
-in its own process group (so a rank's own children die with it), and the parent kills every rank
-it started, by PID, on timeout or as soon as one rank fails. Results come back over one pipe per
-rank, so a rank killed mid-write cannot corrupt the others' results.
+The ranks rendezvous through a file store in a private temp folder (mode 0700, removed when the
+launch ends): no listening socket, and no other user of the machine can join or read it. gloo's
+and NCCL's own connections use the loopback interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME,
+unless already set): without it gloo listens on the address the hostname resolves to, often one
+other hosts reach. Each rank runs in its own process group (so a rank's own children die with
+it), and the parent kills every rank it started, by PID, on timeout or as soon as one rank fails.
+Results come back over one pipe per rank, so a rank killed mid-write cannot corrupt the others'
+results.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
 import signal
+import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -97,7 +104,29 @@ def _start_method(backend: str, fn: Callable[..., Any]):
     return ctx
 
 
-def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, timeout_s, cores=None):
+# the variables that name the network interface of gloo's and NCCL's connections
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+IFF_LOOPBACK = 0x8  # the loopback flag of an interface (Linux: /sys/class/net/NAME/flags)
+
+
+def loopback_interface() -> str:
+    """The name of this host's loopback interface: ``lo`` on Linux, ``lo0`` on macOS and BSD."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        with contextlib.suppress(OSError, ValueError), open(f"/sys/class/net/{name}/flags") as f:
+            if int(f.read(), 16) & IFF_LOOPBACK:
+                return name
+    return next((name for name in names if name.startswith("lo")), "lo")  # no sysfs (not Linux): by name
+
+
+def loopback_environment(environ=os.environ) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming the loopback, for those ``environ`` leaves
+    unset (one the user set wins): ranks on one host need no other interface."""
+    unset = [variable for variable in INTERFACE_VARIABLES if not environ.get(variable)]
+    return dict.fromkeys(unset, loopback_interface()) if unset else {}
+
+
+def _rank_main(fn, rank, world_size, store_path, backend, args, conn, threads, env, timeout_s, cores=None):
     os.setpgrp()  # our own process group: killing it takes any helper processes with it
     _die_with_parent()
     _exit_with_launcher(conn)
@@ -107,7 +136,7 @@ def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, ti
     os.environ.clear()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "LOCAL_WORLD_SIZE": str(world_size)})
     reported = False
     try:
         import torch
@@ -120,7 +149,8 @@ def _rank_main(fn, rank, world_size, port, backend, args, conn, threads, env, ti
             device = device_setup("cuda").rank_device()
             torch.cuda.set_device(device)
             collectives = collective_timeout(timeout_s)  # a hung collective ends the rank, via NCCL's watchdog
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collectives))
         conn.send(("ok", rank, fn(RankContext(rank, world_size, device), *args)))
@@ -234,10 +264,9 @@ def launch(
     ``world_size`` visible here); each rank sees only its own, as ``cuda:0``. ``cores``: the CPU cores
     each rank is pinned to (one list per rank), so that concurrent launches never share a core.
     ``running``: a set the rank processes are added to while they live (so another thread can
-    :func:`kill_processes` them, e.g. on Ctrl-C).
+    :func:`kill_processes` them, e.g. on Ctrl-C). The ranks open no socket beyond the loopback
+    (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name another interface).
     """
-    import torch.distributed as dist
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     backend = backend or default_backend(world_size)
@@ -249,18 +278,21 @@ def launch(
         raise ValueError(f"cores: expected one core list per rank ({world_size}), got {len(cores)}")
     available = len(usable_cores())
     threads = threads_per_rank or max(1, min(len(c) for c in cores) if cores else available // world_size)
-    child_env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+    child_env = {**os.environ, **loopback_environment(), "OMP_NUM_THREADS": str(threads),
+                 "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     ctx = _start_method(backend, fn)
     procs, conns = [], []
+    # the rendezvous store: a file only this user can reach (mkdtemp makes the folder 0700), not a
+    # TCPStore, which listens on every interface whatever host it is given, unauthenticated
+    rendezvous = tempfile.mkdtemp(prefix="slapo-rendezvous-")
+    store_path = os.path.join(rendezvous, "store")
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             device_env = rank_environment(backend, gpus[rank] if gpus else None)
             proc = ctx.Process(
                 target=_rank_main,
-                args=(fn, rank, world_size, store.port, backend, tuple(args), child_end, threads,
+                args=(fn, rank, world_size, store_path, backend, tuple(args), child_end, threads,
                       {**child_env, **device_env}, timeout, list(cores[rank]) if cores else None),
                 name=f"slapo-rank-{rank}",
             )
@@ -278,7 +310,7 @@ def launch(
             running.difference_update(procs)
         for c in conns:
             c.close()
-        del store
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def _collect(procs, conns, timeout: float) -> list[Any]:

@@ -40,9 +40,9 @@ def rank_with_fake_cuda(conn, timeout_s: float) -> None:
     torch.cuda.device_count = lambda: 1  # CUDA_VISIBLE_DEVICES shows the rank its own GPU only
     torch.cuda.get_device_properties = lambda i: type("P", (), {"name": "NVIDIA H200", "total_memory": 141 * GiB})()
     torch.cuda.set_device = lambda device: calls.setdefault("set_device", str(device))
-    dist.TCPStore = lambda *a, **k: object()
+    dist.FileStore = lambda *a, **k: dist.HashStore()  # no peers: a store that answers at once
     dist.init_process_group = lambda backend, **k: calls.update(backend=backend, pg_timeout=k["timeout"].total_seconds())
     dist.destroy_process_group = lambda: calls.setdefault("destroyed", True)
     reader, writer = Pipe(duplex=False)
-    launch._rank_main(report_device, 1, 2, 0, "nccl", (), writer, 1, {}, timeout_s)
+    launch._rank_main(report_device, 1, 2, "no-store-file", "nccl", (), writer, 1, {}, timeout_s)
     conn.send({**calls, "message": reader.recv()})

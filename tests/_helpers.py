@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import ipaddress
 
 import torch
 
@@ -10,6 +11,13 @@ import slapo_tune as st
 from slapo_tune.parallelize import apply_checkpointing, apply_tensor_parallel
 
 FAMILIES = {"gpt2-tiny": "gpt2", "llama-tiny": "llama", "bert-tiny": "bert", "opt-tiny": "opt"}
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a socket address (as psutil gives it) is on the loopback: 127.0.0.0/8, ::1, and
+    ::ffff:127.0.0.1 (an IPv4 loopback address on a dual-stack socket)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
 def token_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:

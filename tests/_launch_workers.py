@@ -50,3 +50,24 @@ def write_pid_and_hang(ctx, folder):
     with open(os.path.join(folder, f"rank-{ctx.rank}"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)
+
+
+def hold_until_released(ctx, folder):
+    """Rendezvous (an all-reduce), report this rank's PID and the interfaces gloo and NCCL were
+    told to use, then keep the process group up until ``folder/release`` exists (at most 60 s)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    report = {"pid": os.getpid(), "sum": t.item(),
+              **{v: os.environ.get(v) for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}}
+    with open(os.path.join(folder, f"rank-{ctx.rank}.json.part"), "w") as f:
+        json.dump(report, f)
+    os.rename(os.path.join(folder, f"rank-{ctx.rank}.json.part"), os.path.join(folder, f"rank-{ctx.rank}.json"))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(folder, "release")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return report

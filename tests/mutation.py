@@ -122,6 +122,22 @@ NAMED = (
     Mutation("the training job steps with a 10 % larger learning rate", "slapo_tune/train.py",
              "                             lr=config.lr)", "                             lr=config.lr * 1.1)",
              ("tests/test_train.py::test_tuned_schedule_trains_like_the_unscheduled_model",)),
+    # what a local run and a Ray trial listen on
+    Mutation("the local launcher hosts its rendezvous store on every interface (a TCPStore)", "slapo_tune/launch.py",
+             '    store_path = os.path.join(rendezvous, "store")\n',
+             '    store_path = os.path.join(rendezvous, "store")\n    import torch.distributed as dist\n'
+             '    wildcard = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)\n',
+             ("tests/test_launch.py::test_ranks_listen_on_the_loopback_only",)),
+    Mutation("local ranks' gloo listens where the hostname resolves, not on the loopback", "slapo_tune/launch.py",
+             "child_env = {**os.environ, **loopback_environment(), ", "child_env = {**os.environ, ",
+             ("tests/test_launch.py::test_ranks_listen_on_the_loopback_only",)),
+    Mutation("a launch's rendezvous folder outlives it", "slapo_tune/launch.py",
+             "        shutil.rmtree(rendezvous, ignore_errors=True)", "        pass",
+             ("tests/test_launch.py::test_ranks_listen_on_the_loopback_only",
+              "tests/test_launch.py::test_a_raising_rank_is_named_and_the_others_are_killed")),
+    Mutation("a Ray trial's store ignores the interface --net-if names", "runners/ray_runner.py",
+             "    named = named_interface(environ)\n    if not named:", "    named = None\n    if not named:",
+             ("tests/test_ray_runner.py::test_the_store_listens_on_the_interface_the_user_named_else_at_the_node_address",)),
     # where ranks run (slapo_tune.device): CUDA faked on CPU up to where a kernel would run
     Mutation("the local runner starts GPU trials on gloo", "runners/local.py",
              "backend=setup.backend, gpus=gpus,", 'backend="gloo", gpus=gpus,',

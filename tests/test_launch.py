@@ -1,14 +1,44 @@
 """The local launcher: results by rank, failures named by rank, nothing left behind."""
 
+import json
 import multiprocessing.forkserver
 import os
+import tempfile
+import threading
 import time
 
 import pytest
 
-from slapo_tune.launch import RankFailure, launch
+from slapo_tune.launch import RankFailure, launch, loopback_environment, loopback_interface
 
 import _launch_workers as w
+from _helpers import is_loopback
+
+RENDEZVOUS_PREFIX = "slapo-rendezvous-"  # the private folder of a launch's rendezvous store
+
+
+@pytest.fixture
+def rendezvous_folders(monkeypatch):
+    """The rendezvous folders the launches of a test made (a spy on tempfile.mkdtemp)."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def spy(*args, **kwargs):
+        path = real(*args, **kwargs)
+        if os.path.basename(path).startswith(RENDEZVOUS_PREFIX):
+            made.append(path)
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", spy)
+    return made
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket of process ``pid``."""
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
 
 
 def test_results_come_back_by_rank(no_leftover_children):
@@ -30,7 +60,7 @@ def test_cpu_ranks_fork_from_a_warm_server_with_the_launchers_environment(monkey
     assert all(r["mark"] == "set after the server started" for r in results)
 
 
-def test_a_raising_rank_is_named_and_the_others_are_killed(no_leftover_children):
+def test_a_raising_rank_is_named_and_the_others_are_killed(rendezvous_folders, no_leftover_children):
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         launch(w.raise_on_rank_one, 2, timeout=120)
@@ -38,6 +68,50 @@ def test_a_raising_rank_is_named_and_the_others_are_killed(no_leftover_children)
     assert "rank 1 raised ValueError: bad knob on rank 1" in str(info.value)
     assert "Traceback" in info.value.details
     assert time.monotonic() - t0 < 50  # rank 0 (sleeping 60 s) was killed, not waited for
+    assert len(rendezvous_folders) == 1 and not os.path.exists(rendezvous_folders[0])  # removed on failure too
+
+
+def test_ranks_listen_on_the_loopback_only(tmp_path, rendezvous_folders, no_leftover_children):
+    """A real local run opens no socket on a wildcard address (a TCPStore listens on every
+    interface whatever host it is given): its ranks rendezvous through a file store in a folder
+    only this user reaches, removed afterwards, and gloo's connections listen on the loopback
+    interface, not on the address the hostname resolves to (which other hosts may reach)."""
+    import psutil
+
+    loopback = next(name for name, addresses in psutil.net_if_addrs().items()
+                    if any(a.address == "127.0.0.1" for a in addresses))
+    before = _listening(os.getpid())  # what this test process held already (another test's servers)
+    run: dict = {}
+    launcher = threading.Thread(target=lambda: run.update(results=launch(w.hold_until_released, 2,
+                                                                         args=(str(tmp_path),), timeout=120)))
+    launcher.start()
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("rank-*.json"))) < 2:
+            assert time.monotonic() < deadline and launcher.is_alive(), "the ranks did not start"
+            time.sleep(0.05)
+        reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
+        sockets = {"launcher": _listening(os.getpid()) - before,
+                   **{f"rank {r}": _listening(report["pid"]) for r, report in enumerate(reports)}}
+        folders = [(path, os.stat(path).st_mode & 0o777, os.listdir(path)) for path in rendezvous_folders]
+    finally:
+        (tmp_path / "release").touch()
+        launcher.join(timeout=60)
+    assert run["results"] == reports and all(r["sum"] == 3.0 for r in reports)  # the ranks met
+    assert all(sockets[f"rank {r}"] for r in range(2)), sockets  # gloo's own listeners: some to check
+    assert {who: [s for s in held if not is_loopback(s[0])] for who, held in sockets.items()} == \
+        {who: [] for who in sockets}, sockets
+    assert sockets["launcher"] == set()  # the store is a file: not even a loopback port for other local users
+    assert all(r["GLOO_SOCKET_IFNAME"] == r["NCCL_SOCKET_IFNAME"] == loopback for r in reports)
+    assert [(mode, names) for _, mode, names in folders] == [(0o700, ["store"])]  # private, and held the store
+    assert not os.path.exists(folders[0][0])
+
+
+def test_an_interface_the_user_named_wins_over_the_loopback():
+    lo = loopback_interface()
+    assert loopback_environment({"GLOO_SOCKET_IFNAME": "ib0"}) == {"NCCL_SOCKET_IFNAME": lo}
+    assert loopback_environment({"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}) == {}
+    assert loopback_environment({"NCCL_SOCKET_IFNAME": ""}) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
 
 
 def test_a_hanging_rank_times_out(no_leftover_children):

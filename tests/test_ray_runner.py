@@ -226,6 +226,25 @@ def test_the_rendezvous_interface_is_the_one_holding_the_node_address():
     assert environ == {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}
     environ = {}
     assert choose_interface("10.9.9.9", environ, interfaces) is None and environ == {}
+
+
+def test_the_store_listens_on_the_interface_the_user_named_else_at_the_node_address():
+    """Rank 0's store binds one address (a TCPStore given a host would listen on every interface):
+    the node's Ray address, or, with --net-if (or either variable) naming an interface, that
+    interface's: the node's address if it holds it, else its IPv4 address, else a global IPv6 one."""
+    from runners.ray_runner import store_address
+
+    interfaces = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.5", "fe80::1%eth0"],
+                  "ib0": ["fe80::2%ib0", "fd00::7", "192.168.7.5"], "ib1": ["fe80::3%ib1"], "ib2": ["fd00::9"]}
+    assert store_address("127.0.0.1", {}, interfaces) == "127.0.0.1"  # a local head: the loopback
+    assert store_address("10.0.0.5", {}, interfaces) == "10.0.0.5"
+    assert store_address("10.0.0.5", {"GLOO_SOCKET_IFNAME": "eth0"}, interfaces) == "10.0.0.5"
+    assert store_address("10.0.0.5", {"NCCL_SOCKET_IFNAME": "ib0"}, interfaces) == "192.168.7.5"
+    assert store_address("10.0.0.5", {"GLOO_SOCKET_IFNAME": "ib2"}, interfaces) == "fd00::9"
+    assert store_address("127.0.0.1", {"GLOO_SOCKET_IFNAME": "lo"}, interfaces) == "127.0.0.1"
+    # no usable address there (only link-local, or no such interface): the node's; gloo then names the interface
+    assert store_address("10.0.0.5", {"GLOO_SOCKET_IFNAME": "ib1"}, interfaces) == "10.0.0.5"
+    assert store_address("10.0.0.5", {"GLOO_SOCKET_IFNAME": "nosuch"}, interfaces) == "10.0.0.5"
     # --net-if: both variables in the runtime environment of the driver's job, beside what it held
     from slapo_tune.search._cluster import with_interface
 

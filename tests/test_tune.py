@@ -4,7 +4,6 @@ dashboard's state API, exported schedule; exact resume after the driver is SIGKI
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
 import shutil
@@ -23,6 +22,8 @@ import pytest
 from slapo_tune.cli import main
 from slapo_tune.plan import KNOBS as PLAN_KNOBS
 from slapo_tune.schedule_file import read_schedule
+
+from _helpers import is_loopback
 
 LAUNCHED = ("ok", "oom", "crash", "timeout")
 # no confirmation before crowning (three more Ray runs per candidate: CI's time; test_confirm covers it)
@@ -120,11 +121,6 @@ def _listening(pids: list[int]) -> set[tuple[str, str, int]]:
     return found
 
 
-def _is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%")[0])
-    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # ::ffff:127.0.0.1 too
-
-
 def _run_watched(cmd: list[str], env: dict[str, str], out: Path, logs: Path, watch: dict, *,
                  kill_after_launched: int | None = None) -> subprocess.Popen:
     """Run the tuner, gathering meanwhile (into ``watch``) every listening socket of the driver, the
@@ -178,7 +174,7 @@ def test_tune_killed_and_resumed_end_to_end(tmp_path, ray_tmp):
     names = {name for name, _, _ in listening}
     assert {"gcs_server", "raylet", "ray::DashboardAgent"} <= names, listening
     assert any(name.startswith("ray::_RankActor") for name in names), listening  # a trial's ranks too
-    assert [s for s in listening if not _is_loopback(s[1])] == []
+    assert [s for s in listening if not is_loopback(s[1])] == []
     assert not list(Path(ray_tmp).glob("slapo-ray-*"))  # the re-attached head's temp folder went with it
     frame = _rows(out)
     launched = _launched_points(frame, KNOBS)

@@ -355,7 +355,7 @@ def with_interface(runtime_env: dict | None, net_if: str | None) -> dict | None:
     --net-if``), which every rank actor of this driver's job then reads."""
     if not net_if:
         return runtime_env
-    from runners.ray_runner import INTERFACE_VARIABLES
+    from ..launch import INTERFACE_VARIABLES
 
     runtime_env = dict(runtime_env or {})
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **dict.fromkeys(INTERFACE_VARIABLES, net_if)}
