@@ -280,7 +280,7 @@ class Tuner:
         another driver still runs (on this host: its process exists; on another: it started less
         than twice the trial time limit ago) is left to it, and this driver's sampler is reseeded:
         drivers started together with one seed would otherwise propose the same points."""
-        from optuna.trial import TrialState
+        from optuna.trial import Trial, TrialState
 
         trials = study.get_trials(deepcopy=False)
         recent = 2 * self.config.trial_time_limit + 60  # how long a trial of another host's driver may run
@@ -297,6 +297,8 @@ class Tuner:
                 others = True
                 continue
             if t.state == TrialState.RUNNING:
+                if "status" in t.user_attrs:  # told all but its state (killed, or that record salvaged away)
+                    Trial(study, t._trial_id).set_user_attr("status", TrialStatus.INTERRUPTED.value)
                 study.tell(t.number, state=TrialState.FAIL)
                 if point and t.number not in retried and "retry_of" not in t.user_attrs:
                     self._queue_retry(study, t.number, point)
