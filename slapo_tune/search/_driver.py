@@ -215,6 +215,7 @@ class Tuner:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(self.config.storage, self.config.out)
+        self._check_not_emptied(storage)
         directions = ["maximize", "minimize"] if self.config.multi_objective else ["maximize"]
         name = self.config.study or self.config.out.name
         study = optuna.create_study(study_name=name, storage=storage, directions=directions,
@@ -234,6 +235,27 @@ class Tuner:
         study.set_user_attr(f"driver:{self.driver}", time.time())
         self._recover(study)
         return study
+
+    def _check_not_emptied(self, storage) -> None:
+        """Refuse to begin a new study in a journal holding none while the output folder's
+        ``trials.csv`` lists trials: the journal was emptied, cut within its first record or
+        replaced, and a new study would overwrite the outputs of the one it held."""
+        import csv
+
+        from ._journal import salvage_command
+        from ._storage import is_journal, journal_path
+
+        table = self.config.out / "trials.csv"
+        if self.outputs is None or not is_journal(self.config.storage) or storage.get_all_studies() \
+                or not table.is_file():
+            return
+        with table.open(newline="") as f:
+            listed = sum(1 for _ in csv.reader(f)) - 1
+        if listed > 0:
+            journal = journal_path(self.config.storage, self.config.out)
+            raise UsageError(f"the study journal {journal} holds no study, but {table} lists {listed} trial(s) of "
+                             f"one: the journal was emptied, cut, removed or replaced (check it: {salvage_command(journal)}; "
+                             f"a backup may hold the study); to begin a new study there, remove {table}")
 
     def _record_out_of_the_box(self) -> None:
         """Record the out-of-the-box schedule (``plan.OUT_OF_THE_BOX``) and its prediction in the
