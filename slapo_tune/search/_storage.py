@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote
 
+from .._inputs import read_small_text
 from ..errors import UsageError
 
 JOURNAL_NAME = "study.journal"
@@ -47,17 +50,25 @@ def storage_url(storage: str | None, storage_file: str | None, environ: Mapping[
     if storage:
         return storage
     if storage_file:
-        try:
-            text = Path(storage_file).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read the storage file {storage_file}: "
-                             f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+        text = read_small_text(storage_file, "storage file")  # (a device, a pipe, a huge file: refused)
+        check_private(storage_file)
         lines = [line.strip() for line in text.splitlines()]
         url = next((line for line in lines if line and not line.startswith("#")), None)
         if url is None:
             raise UsageError(f"the storage file {storage_file} holds no storage URL")
         return url
     return environ.get(STORAGE_ENV) or None
+
+
+def check_private(path: str) -> None:
+    """Refuse a storage file others may read or change, as ssh refuses such a private key: it
+    holds the study's password (a reader has it), and a writer chooses where the study goes. Not a
+    warning: by the time one is read, every user of the machine may have read the password."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if os.name == "posix" and mode & 0o077:
+        raise UsageError(f"storage file {path} is open to other users (permissions {mode:04o}): it holds the "
+                         f"study's password and says where the study goes; make it yours alone: "
+                         f"chmod 600 {shlex.quote(path)}")
 
 
 def is_journal(url: str | None) -> bool:
