@@ -74,6 +74,10 @@ class TuneConfig:
     strategy: str = DEFAULT_STRATEGY
     objective: str = "throughput"
     storage: str | None = None
+    # how the storage URL was given, for the command that resumes the study: read from this
+    # --storage-file, or from $SLAPO_TUNE_STORAGE (neither: --storage, or the journal in ``out``)
+    storage_file: str | None = None
+    storage_from_environment: bool = False
     study: str | None = None
     concurrency: int = 1
     seed: int = 0
@@ -175,10 +179,8 @@ class Tuner:
     def _command(self) -> str:
         """The tune command that runs this study again (resumes it), its storage's password hidden."""
         from ._report import tune_command
-        from ._storage import redact
 
-        storage = self.config.storage
-        return tune_command(self.config, redact(storage, storage) if storage else None)
+        return tune_command(self.config)
 
     # ------------------------------------------------------------------ cost model
     def _predictions(self, points: list[Point]) -> Predictions:
