@@ -40,6 +40,15 @@ def pristine(grid, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def earlier_drivers_gone(monkeypatch):
+    """The drivers that wrote the journals so far have exited (in a test they are this process,
+    which lives on: a resumed driver would leave their running trials to them)."""
+    from slapo_tune.search import _driver
+
+    monkeypatch.setattr(_driver, "driver_alive", lambda name: False)
+
+
 def _tuner(grid, journal: Path, trials: int, runner=None):
     results, budget = grid
     return replay_tuner("random", 0, "analytic", results, budget, trials=trials, storage=f"journal:{journal}",
@@ -97,7 +106,7 @@ def _one_line_naming_the_salvage(exc: UsageError, path: Path) -> None:
 @pytest.mark.parametrize("op_code,what", [(4, "its creation"), (5, "a parameter"), (8, "a user attribute"),
                                           (6, "its state and values (the tell)")])
 def test_a_torn_record_followed_by_intact_ones_is_salvaged_keeping_every_other(grid, pristine, tmp_path, capsys,
-                                                                                 op_code, what):
+                                                                                 earlier_drivers_gone, op_code, what):
     """A writer died mid-append in a record of trial TORN; the next append went on the same line
     (Optuna's backend starts none). Reading it stops with one line; the salvage drops the torn
     part only: the study equals the undamaged one less that record (a lost creation: the trial is
@@ -141,8 +150,13 @@ def test_a_torn_record_followed_by_intact_ones_is_salvaged_keeping_every_other(g
     resumed = _trials(path)
     assert summary["study"] == STUDY and len(resumed) > TRIALS
     for before, after in zip(salvaged, resumed):
-        if before.state.name != "RUNNING":  # (a trial left running is failed on resume, as interrupted)
+        if before.state.name != "RUNNING":
             assert _fields(after) == _fields(before), before.number
+    if op_code == 6:  # left running, told all but its state: failed on resume as interrupted, measured again
+        assert (resumed[TORN].state.name, resumed[TORN].user_attrs["status"]) == ("FAIL", "interrupted")
+        retry = [t for t in resumed if t.user_attrs.get("retry_of") == TORN]
+        assert len(retry) == 1 and retry[0].user_attrs["point"] == resumed[TORN].user_attrs["point"]
+        assert retry[0].user_attrs["status"] == resumed[TORN].user_attrs["result"]["status"]  # (replayed: the same)
     assert not list(tmp_path.glob("study.journal.damaged-*"))[1:]  # nothing else was cut
 
 
@@ -224,46 +238,72 @@ def test_a_journal_cut_within_its_first_record_never_starts_a_new_study(grid, pr
 
 
 # ----------------------------------------------------------------------------- cut while a driver runs
-class _CutsTheJournal(ReplayRunner):
-    """Replays the grid; while its third trial runs, the journal is cut in the middle of a line."""
+def _cut(journal: Path) -> None:  # in the middle of a line
+    with open(journal, "r+b") as f:
+        f.truncate(journal.stat().st_size // 2 + 7)
 
-    def __init__(self, results, journal: Path):
+
+def _overwritten(journal: Path) -> None:  # its last record, in place: the same size
+    with open(journal, "r+b") as f:
+        f.seek(-41, 2)
+        f.write(b"x" * 40)
+
+
+def _replaced(journal: Path) -> None:  # by a copy of itself, renamed over it (an editor, a restore)
+    copy = journal.with_name("copy")
+    copy.write_bytes(journal.read_bytes())
+    copy.replace(journal)
+
+
+class _ChangesTheJournal(ReplayRunner):
+    """Replays the grid; while its third trial runs, ``change`` is done to the journal."""
+
+    def __init__(self, results, journal: Path, change):
         super().__init__(results)
-        self.journal, self.cut_to = journal, None
+        self.journal, self.change, self.changed = journal, change, None
 
     def run(self, spec):
         if len(self.launched) == 2:
-            size = self.journal.stat().st_size
-            self.cut_to = size // 2 + 7
-            with open(self.journal, "r+b") as f:
-                f.truncate(self.cut_to)
+            self.change(self.journal)
+            self.changed = self.journal.read_bytes()
         return super().run(spec)
 
 
-def test_a_driver_whose_journal_is_cut_under_it_stops_with_one_line_and_writes_nothing_more(grid, tmp_path,
-                                                                                          monkeypatch):
-    from slapo_tune.search import _driver
-
+def _stopped_under(grid, path: Path, change) -> bytes:
+    """Run a driver whose journal gets ``change`` while it runs: it stops with one line naming
+    the salvage command, having written nothing more. Returns the journal as it was changed."""
     results, _ = grid
-    path = tmp_path / "study.journal"
-    runner = _CutsTheJournal(results, path)
+    runner = _ChangesTheJournal(results, path, change)
     tuner, _ = _tuner(grid, path, TRIALS, runner=runner)
     with pytest.raises(UsageError) as stopped:
         tuner.run()
     _one_line_naming_the_salvage(stopped.value, path)
     assert "while this driver used it" in str(stopped.value)
-    assert path.stat().st_size == runner.cut_to  # nothing appended after the cut
-    kept = _lines(path)[:-1]  # the whole records before the cut
+    assert path.read_bytes() == runner.changed  # nothing written after the change
+    return runner.changed
 
-    # re-run (the first driver has stopped: in this test it is this process, which lives on): the
-    # record cut in two is cut off, the study resumes
-    alive = _driver.driver_alive
-    monkeypatch.setattr(_driver, "driver_alive", lambda name: False if name == tuner.driver else alive(name))
-    again, _ = _tuner(grid, path, TRIALS)
+
+def test_a_driver_whose_journal_is_cut_under_it_stops_with_one_line_and_the_rerun_resumes(grid, tmp_path,
+                                                                                        earlier_drivers_gone):
+    path = tmp_path / "study.journal"
+    kept = _stopped_under(grid, path, _cut).split(b"\n")[:-1]  # the whole records before the cut
+    again, _ = _tuner(grid, path, TRIALS)  # re-run: the record cut in two is cut off, the study resumes
     summary = again.run()
     assert summary["study"] == STUDY and summary["launched"] == TRIALS
     assert _lines(path)[:len(kept)] == kept
     assert len(list(tmp_path.glob("study.journal.damaged-*"))) == 1
+
+
+@pytest.mark.parametrize("change", [_overwritten, _replaced], ids=["overwritten", "replaced"])
+def test_a_driver_whose_journal_is_overwritten_or_replaced_under_it_stops(grid, tmp_path, capsys,
+                                                                          earlier_drivers_gone, change):
+    path = tmp_path / "study.journal"
+    changed = _stopped_under(grid, path, change)
+    _salvage(capsys, path)  # (the overwritten record dropped; a replaced journal is intact)
+    intact = [line for line in changed.split(b"\n")[:-1] if not line.endswith(b"x" * 40)]
+    assert _lines(path) == intact
+    summary = _tuner(grid, path, TRIALS)[0].run()
+    assert summary["study"] == STUDY and summary["launched"] == TRIALS
 
 
 def test_salvage_refuses_what_is_not_a_journal(tmp_path, capsys):
