@@ -412,7 +412,7 @@ def _replayed(records: list[dict[str, Any]], dropped: list[str], lines: dict[int
             dropped.append(f"{where}: a record Optuna cannot replay ({type(exc).__name__})")
             continue
         kept.append(record)
-    trials = {s.study_name: len(storage.get_all_trials(s._study_id, deepcopy=False))
+    trials = {s.study_name: len(storage.get_all_trials(storage.get_study_id_from_name(s.study_name), deepcopy=False))
               for s in storage.get_all_studies()}
     return kept, trials
 
@@ -431,8 +431,8 @@ class Salvaged:
 
 def salvage_journal(path: Path | str) -> Salvaged:
     """Rewrite a damaged study journal keeping every record that still replays as it did, the
-    journal's lock held throughout; the original is kept beside it, ``NAME.damaged-TIME`` (a hard
-    link: its bytes as they were), and the new journal replaces it atomically. A driver still
+    journal's lock held throughout; the original is kept beside it, ``NAME.damaged-TIME`` (its
+    bytes as they were), and the new journal replaces it atomically. A driver still
     running on it stops at its next read or write (the file was replaced) and resumes when re-run.
     See :func:`_pieces` and :func:`_renumber` for what is kept."""
     path = Path(path)
@@ -458,7 +458,7 @@ def salvage_journal(path: Path | str) -> Salvaged:
         if not records:
             raise UsageError(f"{path} holds no intact journal record (its first one was cut short): nothing can be "
                              "salvaged from it")
-        aside = _aside(path, lambda target: os.link(path, target))
+        aside = _keep_bytes(path, data, stat.S_IMODE(info.st_mode))
         text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
         atomic_write(path, lambda tmp: Path(tmp).write_bytes(text), mode=stat.S_IMODE(info.st_mode))
     kept = {id(r) for r in records}
