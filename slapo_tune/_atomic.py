@@ -17,8 +17,9 @@ def _umask() -> int:
 _MODE = 0o666 & ~_umask()  # what open() would give a new file (mkstemp's is 0600)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it over ``path``."""
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: int | None = None) -> None:
+    """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it over ``path``
+    (its permissions ``mode``; default: what open() would give a new file)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -26,7 +27,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:  # on disk before it replaces the old file: a crash keeps one of them
             os.fsync(f.fileno())
-        os.chmod(tmp, _MODE)
+        os.chmod(tmp, _MODE if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -68,6 +68,7 @@ def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_pat
     for folder in (secret_dir, logs, tmp_path / "home", tmp_path / "tmp"):
         folder.mkdir()
     storage_file.write_text(f"# the study's database\n{url}\n")
+    storage_file.chmod(0o600)  # (the tuner refuses a storage file others may read)
     for name, value in (("HOME", tmp_path / "home"), ("TMPDIR", tmp_path / "tmp"), ("SLAPO_TUNE_CACHE", cache)):
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -152,6 +153,7 @@ def test_a_missing_driver_names_the_extra(tmp_path, monkeypatch, capsys):
 def test_storage_url_comes_from_the_flag_else_the_file_else_the_environment(tmp_path):
     file = tmp_path / "url"
     file.write_text("\n# a comment\n  postgresql://u:from-file@h/db  \nsqlite:///ignored.db\n")
+    file.chmod(0o600)
     env = {STORAGE_ENV: "postgresql://u:from-env@h/db"}
     assert storage_url("sqlite:///flag.db", None, env) == "sqlite:///flag.db"
     assert storage_url(None, str(file), env) == "postgresql://u:from-file@h/db"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from ..errors import SlapoTuneError, UsageError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-COMMANDS = ("demo", "space", "plan", "verify", "train", "tune", "show", "export")
+COMMANDS = ("demo", "space", "plan", "verify", "train", "tune", "show", "export", "salvage")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = TuneConfig(problem=problem.spec, out=out, trials=args.trials, time_budget=time_budget,
                             strategy=args.strategy, objective=args.objective, storage=storage_at,
+                            storage_file=None if args.storage else args.storage_file,
+                            storage_from_environment=bool(storage_at) and not (args.storage or args.storage_file),
                             study=args.study, concurrency=cluster.runner.concurrency, seed=args.seed,
                             prune=args.prune, patience=args.patience, measured_steps=args.measured_steps,
                             trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins, confirm=args.confirm)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..plan import TrialStatus
+from ._known import trial_status
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -42,7 +43,7 @@ def best_trial(study: Study) -> FrozenTrial | None:
     """The fastest trial that ran ``ok``, or None."""
     best = None
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("status") == TrialStatus.OK and t.values and (best is None or t.values[0] > best.values[0]):
+        if trial_status(t) is TrialStatus.OK and t.values and (best is None or t.values[0] > best.values[0]):
             best = t
     return best
 
@@ -55,7 +56,7 @@ def candidates(study: Study, limit: int) -> list[FrozenTrial]:
     """The trials to confirm: the fastest ``ok`` trial, and the others whose throughput is within
     the noise of it (the larger of CONFIRM_NOISE and either trial's step-time spread), fastest
     first, at most ``limit``."""
-    ok = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") == TrialStatus.OK and t.values]
+    ok = [t for t in study.get_trials(deepcopy=False) if trial_status(t) is TrialStatus.OK and t.values]
     if limit < 1 or not ok:
         return []
     ok.sort(key=lambda t: (-t.values[0], t.number))
@@ -71,7 +72,7 @@ def contenders(study: Study, record: dict[str, Any]) -> list[FrozenTrial]:
     if record.get("crowned") is None:
         return []
     crowned = record["figures"][str(record["crowned"])]["samples_per_s"]
-    out = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("status") == TrialStatus.OK
+    out = [t for t in study.get_trials(deepcopy=False) if trial_status(t) is TrialStatus.OK
            and t.values and t.number not in record["candidates"] and t.values[0] > crowned * (1 + CONFIRM_NOISE)]
     return sorted(out, key=lambda t: (-t.values[0], t.number))
 

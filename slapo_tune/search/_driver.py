@@ -74,6 +74,10 @@ class TuneConfig:
     strategy: str = DEFAULT_STRATEGY
     objective: str = "throughput"
     storage: str | None = None
+    # how the storage URL was given, for the command that resumes the study: read from this
+    # --storage-file, or from $SLAPO_TUNE_STORAGE (neither: --storage, or the journal in ``out``)
+    storage_file: str | None = None
+    storage_from_environment: bool = False
     study: str | None = None
     concurrency: int = 1
     seed: int = 0
@@ -175,10 +179,8 @@ class Tuner:
     def _command(self) -> str:
         """The tune command that runs this study again (resumes it), its storage's password hidden."""
         from ._report import tune_command
-        from ._storage import redact
 
-        storage = self.config.storage
-        return tune_command(self.config, redact(storage, storage) if storage else None)
+        return tune_command(self.config)
 
     # ------------------------------------------------------------------ cost model
     def _predictions(self, points: list[Point]) -> Predictions:
@@ -215,6 +217,7 @@ class Tuner:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(self.config.storage, self.config.out)
+        self._check_not_emptied(storage)
         directions = ["maximize", "minimize"] if self.config.multi_objective else ["maximize"]
         name = self.config.study or self.config.out.name
         study = optuna.create_study(study_name=name, storage=storage, directions=directions,
@@ -234,6 +237,27 @@ class Tuner:
         study.set_user_attr(f"driver:{self.driver}", time.time())
         self._recover(study)
         return study
+
+    def _check_not_emptied(self, storage) -> None:
+        """Refuse to begin a new study in a journal holding none while the output folder's
+        ``trials.csv`` lists trials: the journal was emptied, cut within its first record or
+        replaced, and a new study would overwrite the outputs of the one it held."""
+        import csv
+
+        from ._journal import salvage_command
+        from ._storage import is_journal, journal_path
+
+        table = self.config.out / "trials.csv"
+        if self.outputs is None or not is_journal(self.config.storage) or storage.get_all_studies() \
+                or not table.is_file():
+            return
+        with table.open(newline="") as f:
+            listed = sum(1 for _ in csv.reader(f)) - 1
+        if listed > 0:
+            journal = journal_path(self.config.storage, self.config.out)
+            raise UsageError(f"the study journal {journal} holds no study, but {table} lists {listed} trial(s) of "
+                             f"one: the journal was emptied, cut, removed or replaced (check it: {salvage_command(journal)}; "
+                             f"a backup may hold the study); to begin a new study there, remove {table}")
 
     def _record_out_of_the_box(self) -> None:
         """Record the out-of-the-box schedule (``plan.OUT_OF_THE_BOX``) and its prediction in the
@@ -280,7 +304,7 @@ class Tuner:
         another driver still runs (on this host: its process exists; on another: it started less
         than twice the trial time limit ago) is left to it, and this driver's sampler is reseeded:
         drivers started together with one seed would otherwise propose the same points."""
-        from optuna.trial import TrialState
+        from optuna.trial import Trial, TrialState
 
         trials = study.get_trials(deepcopy=False)
         recent = 2 * self.config.trial_time_limit + 60  # how long a trial of another host's driver may run
@@ -297,6 +321,8 @@ class Tuner:
                 others = True
                 continue
             if t.state == TrialState.RUNNING:
+                if "status" in t.user_attrs:  # told all but its state (killed, or that record salvaged away)
+                    Trial(study, t._trial_id).set_user_attr("status", TrialStatus.INTERRUPTED.value)
                 study.tell(t.number, state=TrialState.FAIL)
                 if point and t.number not in retried and "retry_of" not in t.user_attrs:
                     self._queue_retry(study, t.number, point)

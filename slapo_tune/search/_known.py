@@ -4,7 +4,9 @@ resume would have to rebuild).
 Every trial the driver asks carries its point (user attribute ``point``) and, once told, how it
 ended (``status``). A trial failed by a resumed driver because a killed one left it running has a
 point and no status: it reads as :attr:`TrialStatus.INTERRUPTED` (it is failed through Optuna's
-public ``Study.tell``, which cannot set attributes on a trial the driver did not ask itself).
+public ``Study.tell``); one left running with its status recorded (the driver was killed, or its
+journal's state record salvaged away, between the two) has that status overwritten as
+interrupted before it is failed.
 An infrastructure failure (``lost``, ``placement_timeout``) leaves its point unknown until the
 retry queued for it ends; a retry's infrastructure failure settles it.
 """
@@ -24,11 +26,15 @@ if TYPE_CHECKING:
 
 
 def trial_status(trial: FrozenTrial) -> TrialStatus | None:
-    """How ``trial`` ended; None while it runs or waits, or when it never had a point."""
+    """How ``trial`` ended; None while it runs or waits, or when it has no point (it never had
+    one, or the journal record holding it was salvaged away: what it measured cannot be told
+    apart from another point's, so it counts for nothing)."""
+    if "point" not in trial.user_attrs:
+        return None
     status = trial.user_attrs.get("status")
     if status is not None:
         return TrialStatus(status)
-    if trial.state.is_finished() and "point" in trial.user_attrs:
+    if trial.state.is_finished():
         return TrialStatus.INTERRUPTED
     return None
 

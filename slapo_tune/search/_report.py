@@ -66,11 +66,13 @@ def out_of_the_box(study: Study, best: FrozenTrial | None, confirmed: dict[str, 
             "gain": predicted / base if record["fits"] and predicted and base else None}
 
 
-def tune_command(config: Any, storage_shown: str | None = None) -> str:
+def tune_command(config: Any) -> str:
     """The ``slapo-tune tune`` command that runs ``config`` (a ``TuneConfig``: not imported, the
-    driver imports this module) again: on the same study it resumes it
-    (``storage_shown``: the storage URL with its password hidden, when it is not the journal in
-    the output folder)."""
+    driver imports this module) again: on the same study it resumes it. Its storage as it was
+    given: ``--storage-file PATH``; nothing, with a note, for ``$SLAPO_TUNE_STORAGE``; else
+    ``--storage URL``, the URL's password shown as ``***`` (with a note: the user types it)."""
+    from ._storage import STORAGE_ENV, redact
+
     p = config.problem
     args = ["slapo-tune", "tune", "--model", p.model, "--world-size", str(p.world_size),
             "--global-batch", str(p.global_batch), "--seq-len", str(p.seq_len), "--precision", p.precision,
@@ -84,14 +86,24 @@ def tune_command(config: Any, storage_shown: str | None = None) -> str:
         args += ["--knobs", ",".join(f"{k}={v}" for k, v in config.knobs.items())]
     for flag, value in (("--hardware", config.hardware), ("--time-budget", config.time_budget and
                                                           f"{config.time_budget:g}s"),
-                        ("--patience", config.patience), ("--study", config.study), ("--storage", storage_shown)):
+                        ("--patience", config.patience), ("--study", config.study)):
         if value is not None:
             args += [flag, str(value)]
+    notes = []
+    if config.storage_file:
+        args += ["--storage-file", config.storage_file]
+    elif config.storage_from_environment:
+        notes.append(f"with ${STORAGE_ENV} set to the study's storage")
+    elif config.storage:
+        shown = redact(config.storage, config.storage)
+        args += ["--storage", shown]
+        if shown != config.storage:
+            notes.append("*** stands for the storage's password")
     args += ["--out", str(config.out)]
     command = shlex.join(args)
     if p.model_overrides:
-        command += f"   # with the model's config overridden: {p.model_overrides}"
-    return command
+        notes.append(f"with the model's config overridden: {p.model_overrides}")
+    return command + (f"   # {'; '.join(notes)}" if notes else "")
 
 
 def _varying(problem: Problem) -> list[str]:

@@ -5,15 +5,16 @@ line; passwords are never shown (:func:`redact`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
+import shlex
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote
 
+from .._inputs import read_small_text
 from ..errors import UsageError
 
 JOURNAL_NAME = "study.journal"
@@ -49,11 +50,8 @@ def storage_url(storage: str | None, storage_file: str | None, environ: Mapping[
     if storage:
         return storage
     if storage_file:
-        try:
-            text = Path(storage_file).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"cannot read the storage file {storage_file}: "
-                             f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+        text = read_small_text(storage_file, "storage file")  # (a device, a pipe, a huge file: refused)
+        check_private(storage_file)
         lines = [line.strip() for line in text.splitlines()]
         url = next((line for line in lines if line and not line.startswith("#")), None)
         if url is None:
@@ -62,8 +60,24 @@ def storage_url(storage: str | None, storage_file: str | None, environ: Mapping[
     return environ.get(STORAGE_ENV) or None
 
 
+def check_private(path: str) -> None:
+    """Refuse a storage file others may read or change, as ssh refuses such a private key: it
+    holds the study's password (a reader has it), and a writer chooses where the study goes. Not a
+    warning: by the time one is read, every user of the machine may have read the password."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if os.name == "posix" and mode & 0o077:
+        raise UsageError(f"storage file {path} is open to other users (permissions {mode:04o}): it holds the "
+                         f"study's password and says where the study goes; make it yours alone: "
+                         f"chmod 600 {shlex.quote(path)}")
+
+
 def is_journal(url: str | None) -> bool:
     return url is None or url.startswith("journal:") or url.endswith(".journal")
+
+
+def journal_path(url: str | None, out: Path) -> Path:
+    """The journal file of a journal storage ``url`` (None: the one in the output folder ``out``)."""
+    return Path(url.removeprefix("journal:")) if url else out / JOURNAL_NAME
 
 
 def check_storage(url: str | None) -> None:
@@ -71,41 +85,6 @@ def check_storage(url: str | None) -> None:
     if is_journal(url) or url == "memory":
         return
     open_storage(url, Path("."))
-
-
-def repair_journal(path: Path) -> str | None:
-    """Cut a damaged last record off a journal (a write cut short by a crash or a full disk), so
-    that new records start on a line of their own; the bytes cut are kept beside it. Returns what
-    was done, or None when the journal was sound."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return None
-    if size == 0:
-        return None
-    with open(path, "rb") as f:
-        f.seek(max(0, size - (1 << 20)))
-        tail = f.read()
-    complete = tail.endswith(b"\n")
-    last_start = tail.rstrip(b"\n").rfind(b"\n") + 1
-    last = tail[last_start:]
-    if complete:
-        try:
-            json.loads(last)
-            return None
-        except ValueError:
-            pass
-    if last_start == 0 and size > len(tail):  # a last record over 1 MiB: not ours to judge
-        return None
-    cut_at = size - len(tail) + last_start
-    backup = path.with_name(f"{path.name}.damaged-{int(time.time())}")
-    backup.write_bytes(last)
-    with open(path, "r+b") as f:
-        f.truncate(cut_at)
-        f.flush()
-        os.fsync(f.fileno())
-    return (f"the last record of {path} was damaged ({len(last)} bytes, kept in {backup.name}) and was "
-            "removed; the trials before it are intact")
 
 
 # the pip package of each database driver module SQLAlchemy may import for a URL (by its dialect)
@@ -136,16 +115,15 @@ def open_storage(url: str | None, out: Path):
         return None
     import optuna
     from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+
+    from ._journal import CheckedJournalBackend
 
     if is_journal(url):
-        path = Path(url.removeprefix("journal:")) if url else out / JOURNAL_NAME
+        path = journal_path(url, out)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            repaired = repair_journal(path)
-            if repaired:
-                print(f"slapo-tune: warning: {repaired}", file=sys.stderr)
-            return JournalStorage(JournalFileBackend(str(path)))
+            # (a damaged record stops it here, or when read later: one line naming the salvage command)
+            return JournalStorage(CheckedJournalBackend(path))
         except OSError as exc:
             raise UsageError(f"cannot use the study journal {path}: {exc.strerror or exc}") from None
     if "://" not in url:
