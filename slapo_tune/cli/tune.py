@@ -101,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
     from ..search._storage import check_storage, redact, storage_url
     from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
+    from . import interrupted_exit_code
     from ._live import TuneView, print_summary
+    from ._signals import termination_deferred
 
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
@@ -157,13 +159,15 @@ def run(args: argparse.Namespace) -> int:
                   f"'{tuner.study.study_name}' in {storage_shown}", file=sys.stderr, flush=True)
         with view:
             summary = tuner.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (see ._signals)
         print(f"slapo-tune: interrupted; running trials were stopped. Resume with the same command "
               f"(the study in {out} keeps every finished trial).", file=sys.stderr)
-        return 130
+        return interrupted_exit_code(exc)
     finally:
-        # trials, and a Ray head this tuner started, end with the command (unless kept for inspection)
-        kept = cluster.stop(keep_head=args.keep_dashboard)
+        # trials, and a Ray head this tuner started, end with the command (unless kept for inspection);
+        # a SIGTERM meanwhile waits for the head to be stopped
+        with termination_deferred():
+            kept = cluster.stop(keep_head=args.keep_dashboard)
         if kept:
             print(f"slapo-tune: {kept}", file=sys.stderr)
     if args.json_lines:

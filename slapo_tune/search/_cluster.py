@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,11 @@ def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
     ensure_auth_token()  # the head reads it; this driver too
     # (the study's storage URL, password and all, is none of Ray's business: it is not passed on)
     env = {**{k: v for k, v in os.environ.items() if k != STORAGE_ENV}, **LOCAL_HEAD_ENV}
+    # the temp files of the head's processes and trials in its own folder, removed with it: its
+    # dashboard's multiprocessing folder (pymp-*) outlived every stopped head in $TMPDIR
+    head_tmp = temp / "tmp"
+    head_tmp.mkdir(parents=True)
+    env["TMPDIR"] = str(head_tmp)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()
     return proc.pid, f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{dash}", temp
@@ -192,7 +198,7 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.5)
-    with _stderr_to(ray_log):
+    with _stderr_to(ray_log), _sigterm_handler_kept():
         _check_token(address)
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
@@ -203,6 +209,21 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
             raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
     if ray_log is not None:
         route_ray_messages(ray_log)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept():
+    """This process's SIGTERM handler put back afterwards: ``ray.init`` replaces it with one that
+    calls ``sys.exit`` and Ray's core worker adds a C handler that dumps a stack trace (seen: no
+    message, the driver aborted by SIGABRT, ``pymp-*`` left); the command line's (``cli._signals``)
+    stops trials and the head as Ctrl-C does."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        # (None: a handler installed outside Python, which cannot be put back from here)
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 TOKEN_HELP = ("copy the cluster's token (on the head: ray get-auth-token) to ~/.ray/auth_token here, or name its "
@@ -333,7 +354,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         try:
             _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log", ray_log=out / RAY_LOG,
                      runtime_env=runtime_env)
-        except UsageError:
+        except BaseException:  # an error, Ctrl-C or SIGTERM while it boots: nothing left running
             stop_head(pid, temp)
             head_file.unlink(missing_ok=True)
             raise
@@ -343,7 +364,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         cluster = Cluster(None, "ray", ray_address, None)
     try:
         cluster.runner = RayRunner(concurrency=_fit(concurrency, world_size, device))
-    except UsageError:  # a world the cluster's GPUs cannot hold: leave nothing running
+    except BaseException:  # a world the cluster's GPUs cannot hold, or interrupted: leave nothing running
         cluster.stop()
         raise
     return cluster
