@@ -1,6 +1,7 @@
 """SIGTERM (what kill, systemd and Slurm send) stops a command that runs ranks as Ctrl-C does:
 its ranks ended, one line, exit 143 = 128 + 15, and no multiprocessing folder (``pymp-*``) left
-in $TMPDIR."""
+in $TMPDIR. A SIGKILLed driver cannot clean up: the next run removes its folder, and only folders
+whose owner has ended."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import pytest
 from test_tune import _assert_nothing_left as assert_nothing_left
 from test_tune import _env as tune_env
 from test_tune import _marked as marked
+
+from slapo_tune._owned import OWNER_FILE, process_identity, remove_orphans, tag_as_mine
 
 ROOT = Path(__file__).resolve().parents[1]
 # one point, trials that run until stopped
@@ -146,6 +149,53 @@ def test_sigterm_stops_train_and_its_ranks(temp_dir):
     schedule = _schedule(temp_dir / "best_schedule.json", dp=2)
     _sigterm_ends_it_like_ctrl_c(["train", "--schedule", str(schedule), "--steps", "100000"], temp_dir,
                                  "slapo-tune: interrupted")
+
+
+def test_a_sigkilled_drivers_folder_is_removed_by_the_next_run_and_no_other(temp_dir):
+    tmp = temp_dir / "tmp"
+    driver = _start([*TUNE, "--out", str(temp_dir / "out")], temp_dir, "killed")
+    try:
+        deadline = time.monotonic() + 240
+        while not list(tmp.glob("pymp-*")) and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        under = psutil.Process(driver.pid).children(recursive=True)
+        driver.kill()
+        driver.wait(timeout=30)
+    finally:
+        _stop(driver)
+    _assert_ended(under)
+    left = list(tmp.glob("pymp-*"))
+    assert len(left) == 1, (temp_dir / "killed.err").read_text()[-3000:]  # SIGKILL runs no cleanup
+    foreign, live = tmp / "pymp-foreign", tmp / "pymp-live"  # another program's; a running process's
+    foreign.mkdir()
+    live.mkdir()
+    tag_as_mine(live)  # (this test's process)
+    # the next run, whose budget nothing fits: it starts no rank
+    nothing_fits = [*TUNE[:-1], "--memory-budget", "1KiB", "--quiet", "--out", str(temp_dir / "next")]
+    again = _start(nothing_fits, temp_dir, "next")
+    try:
+        assert again.wait(timeout=120) == 0, (temp_dir / "next.err").read_text()[-3000:]
+    finally:
+        _stop(again)
+    assert not left[0].exists() and foreign.is_dir() and live.is_dir()
+
+
+def test_only_tagged_folders_of_ended_processes_are_removed(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    tags = {"ended": f"{ended.pid} 1", "reused": f"{os.getpid()} 1",  # (this PID, another start time: reused)
+            "running": process_identity(os.getpid()), "garbage": "not a pid", "untagged": None}
+    for name, tag in tags.items():
+        (tmp_path / f"pymp-{name}").mkdir()
+        if tag is not None:
+            (tmp_path / f"pymp-{name}" / OWNER_FILE).write_text(tag)
+    (tmp_path / "other-ended").mkdir()  # another prefix
+    (tmp_path / "other-ended" / OWNER_FILE).write_text(tags["ended"])
+    (tmp_path / "pymp-a-file").write_text("")
+    removed = remove_orphans(tmp_path, "pymp-")
+    assert sorted(p.name for p in removed) == ["pymp-ended", "pymp-reused"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-ended", "pymp-a-file", "pymp-garbage",
+                                                          "pymp-running", "pymp-untagged"]
 
 
 def test_sigterm_in_a_deferred_block_takes_effect_at_its_end_and_once():

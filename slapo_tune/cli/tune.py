@@ -94,6 +94,7 @@ def best_line(summary: dict, schedule: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..device import cuda_reserve
     from ..errors import UsageError
+    from ..launch import multiprocessing_temp_dir
     from ..models import preset_names
     from ..precision import default_precision
     from ..search import TuneConfig, Tuner
@@ -139,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_dashboard and args.ray_address != "local":
         raise UsageError("--keep-dashboard keeps the head of --ray-address local; an attached cluster stays up anyway")
     runtime_env = runtime_env_of(args.runtime_env)
+    # made now, not at the first local launch (with Ray there may be none): this also removes the
+    # multiprocessing folders of SIGKILLed drivers before anything else runs
+    multiprocessing_temp_dir()
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
                       args.concurrency, device=setup, runtime_env=runtime_env, net_if=args.net_if)
     try:
