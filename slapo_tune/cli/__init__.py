@@ -1,8 +1,9 @@
 """The ``slapo-tune`` command line: one module per command, each with ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> exit code``.
 
-Every command turns bad input into one line on stderr and exit code 2 (usage) or 1 (a failed
-check), never a traceback. SIGTERM is taken as Ctrl-C is (see ``._signals``).
+Every command turns bad input into one line on stderr and an exit code a scheduler can act on
+(the table in README, "Exit codes"), never a traceback. SIGTERM is taken as Ctrl-C is (see
+``._signals``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from ..errors import SlapoTuneError, Terminated, UsageError
 from ._signals import sigterm_as_interrupt
 
 EXIT_OK = 0
-EXIT_FAILED = 1  # a check failed (verify)
+EXIT_FAILED = 1  # a check failed (verify), or what trials run on did (a Ray head that did not come up)
 EXIT_USAGE = 2  # bad input: arguments, files, settings
+EXIT_NO_RESULT = 3  # tune ran but no point ran ok (nothing fits, nothing measured, every trial failed)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, Ctrl-C: as a shell reports a process a signal ended
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, SIGTERM (kill, systemd, Slurm)
 COMMANDS = ("demo", "space", "plan", "verify", "train", "tune", "show", "export")

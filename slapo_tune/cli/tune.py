@@ -78,12 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def best_line(summary: dict, schedule: Path) -> str:
-    """The summary's line on the crowned point: its confirmed figure where it was confirmed."""
+    """The summary's line on the crowned point (a summary with one: see ``no_result_reason``
+    otherwise): its confirmed figure where it was confirmed."""
     from ..space import format_point
 
     best, confirmed = summary["best_point"], summary["confirmed"]
-    if best is None:
-        return "no point ran ok: loosen --memory-budget or check the failures in trials.csv"
     if confirmed is None:
         return f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {schedule}"
     return (f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
@@ -99,11 +98,12 @@ def run(args: argparse.Namespace) -> int:
     from ..precision import default_precision
     from ..search import TuneConfig, Tuner
     from ..search._cluster import connect, runtime_env_of
+    from ..search._report import no_result_reason
     from ..search._storage import check_storage, redact, storage_url
     from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
-    from . import interrupted_exit_code
-    from ._live import TuneView, print_summary
+    from . import EXIT_NO_RESULT, EXIT_OK, interrupted_exit_code
+    from ._live import STOPS, TuneView, print_summary
     from ._signals import termination_deferred
 
     if args.strategy not in STRATEGIES:
@@ -176,14 +176,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"slapo-tune: {kept}", file=sys.stderr)
     if args.json_lines:
         print(json.dumps({"event": "done", **summary}, default=str))
-    else:
+    if summary["best_point"] is None:  # one line and its own exit code: a scheduler can tell it from a result
+        stop = STOPS.get(summary["stop"], summary["stop"])
+        print(f"slapo-tune: no result: {no_result_reason(tuner.study)} (stopped: {stop}); each point's outcome "
+              f"is in {out / 'trials.csv'}", file=sys.stderr)
+        return EXIT_NO_RESULT
+    if not args.json_lines:
         print_summary(summary, budget, shown)
         print(best_line(summary, out / "best_schedule.json"))
         # (a URL's password is shown as ***: the user types their own)
         password = ", your password for ***" if storage_at and storage_shown != storage_at else ""
         print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
               f"{dashboard_command(storage_shown)}{password})")
-    return 0
+    return EXIT_OK
 
 
 def dashboard_command(storage: str) -> str:

@@ -32,10 +32,11 @@ from pathlib import Path
 
 from .._atomic import atomic_write_text
 from ..device import DeviceSetup, default_concurrency, device_setup
-from ..errors import UsageError
+from ..errors import InfrastructureError, UsageError
 from ._storage import STORAGE_ENV
 
 HEAD_FILE = ".ray_head.json"
+HEAD_START_TIMEOUT = 90.0  # seconds for a local head to answer (5-10 s on an idle 2-core machine; more under load)
 RAY_LOG = "ray.log"  # Ray's own messages to this driver, in the results folder
 LOOPBACK = "127.0.0.1"
 # A local head is Ray's single-machine mode: Ray then takes 127.0.0.1 as the node's address (as it
@@ -189,15 +190,19 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
     while True:
         if head_pid is not None and not _alive(head_pid):
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log and log.is_file() else []
-            raise UsageError(f"the local Ray head exited while starting: {tail[0] if tail else 'no log'} "
-                             f"(log: {log})")
+            raise InfrastructureError(f"the local Ray head exited while starting: {tail[0] if tail else 'no log'} "
+                                      f"(log: {log})")
         try:
             check_reachable(address, timeout=2.0)
             break
         except UsageError:
-            if time.monotonic() >= deadline:
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+            elif head_pid is not None:  # a head this tuner started, slow under load: not the user's input
+                raise InfrastructureError(f"the local Ray head did not answer at {address} within {timeout:.0f} s "
+                                          f"(log: {log})") from None
+            else:
                 raise
-            time.sleep(0.5)
     with _stderr_to(ray_log), _sigterm_handler_kept():
         _check_token(address)
         try:
@@ -206,7 +211,8 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
         except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
             _raise_if_token(address, exc)
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
+            error = UsageError if head_pid is None else InfrastructureError  # (the head this tuner started)
+            raise error(f"cannot attach to the Ray cluster at {address}: {first}") from None
     if ray_log is not None:
         route_ray_messages(ray_log)
 
@@ -352,8 +358,8 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard,
                                                      "temp": str(temp)}))
         try:
-            _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log", ray_log=out / RAY_LOG,
-                     runtime_env=runtime_env)
+            _connect(address, HEAD_START_TIMEOUT, namespace, head_pid=pid, log=out / "ray_head.log",
+                     ray_log=out / RAY_LOG, runtime_env=runtime_env)
         except BaseException:  # an error, Ctrl-C or SIGTERM while it boots: nothing left running
             stop_head(pid, temp)
             head_file.unlink(missing_ok=True)

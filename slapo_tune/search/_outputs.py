@@ -153,12 +153,11 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
     )
 
 
-def export(storage: str | None, study_name: str | None, out: Path, report: bool = True) -> str:
+def export(storage: str | None, study_name: str | None, out: Path, report: bool = True) -> Study:
     """Write ``trials.csv``, ``best_schedule.json`` (and with ``report`` the report) of the study
     ``study_name`` in ``storage`` into ``out``, from the study alone: a study run anywhere (a Ray
     Job, another driver's machine) read back here. ``study_name`` None: the storage's only study.
-    Returns the study's name; UsageError when there is no such study or it was not written by
-    the tuner."""
+    Returns the study; UsageError when there is no such study or it was not written by the tuner."""
     import optuna
 
     from ..errors import UsageError
@@ -186,4 +185,4 @@ def export(storage: str | None, study_name: str | None, out: Path, report: bool 
                          f"(or by a version that kept its outputs in the results folder only)")
     problem = ProblemSpec(**recorded["problem"]).resolve()
     Outputs(out, problem, recorded["strategy"], recorded.get("command")).finish(study, report=report)
-    return study_name
+    return study
