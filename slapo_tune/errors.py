@@ -53,3 +53,17 @@ class ScheduleKeyError(SlapoTuneError, KeyError):
 
 class UsageError(SlapoTuneError, ValueError):
     """Bad user input at the command line or in a configuration (exit code 2)."""
+
+
+class InfrastructureError(SlapoTuneError, RuntimeError):
+    """What trials run on failed, not the user's input: a Ray head that exited while starting or
+    did not answer in time (exit code 1, not the usage code: a re-run may succeed)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, systemd, Slurm) turned into an interrupt, so that it takes the path
+    Ctrl-C takes: trials and ranks stopped, one line, the exit code ``128 + signum``."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -91,12 +91,33 @@ _PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.modeling
 UNIX_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, its NUL excluded)
 
 
-def _start_method(backend: str, fn: Callable[..., Any]):
+_TAGGED: set[str] = set()  # multiprocessing temp dirs of this process tagged as its own
+_TAG_LOCK = threading.Lock()  # (trials launch from several threads)
+
+
+def multiprocessing_temp_dir() -> str:
+    """multiprocessing's temp dir of this process (``pymp-*``, the fork server's socket), tagged as
+    this process's; the first time, those of slapo-tune processes that ended without removing
+    theirs (a SIGKILLed driver's: multiprocessing removes its own at a normal exit, SIGTERM
+    included, see ``cli._signals``) are removed from beside it (:mod:`slapo_tune._owned`)."""
     from multiprocessing import util
 
+    from ._owned import remove_orphans, tag_as_mine
+
+    tempdir = util.get_temp_dir()
+    with _TAG_LOCK:
+        if tempdir not in _TAGGED:
+            with contextlib.suppress(OSError):  # (untagged, it is only not removed after a SIGKILL)
+                tag_as_mine(tempdir)
+            remove_orphans(os.path.dirname(tempdir), "pymp-")
+            _TAGGED.add(tempdir)
+    return tempdir
+
+
+def _start_method(backend: str, fn: Callable[..., Any]):
     # the server listens on a Unix socket named "listener-XXXXXXXX" in multiprocessing's temp dir:
     # under a deep $TMPDIR that path is too long for AF_UNIX, and ranks are spawned instead
-    socket_path_length = len(os.path.join(util.get_temp_dir(), "listener-XXXXXXXX"))
+    socket_path_length = len(os.path.join(multiprocessing_temp_dir(), "listener-XXXXXXXX"))
     if backend == "nccl" or "forkserver" not in get_all_start_methods() or socket_path_length > UNIX_SOCKET_PATH_MAX:
         return get_context("spawn")
     ctx = get_context("forkserver")

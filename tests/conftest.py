@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import helpers fr
 # take whole files in this order, finish at about the same time. (xdist's own order, the files of
 # most tests first, is turned off in pytest_configure.)
 _SLOWEST_FIRST = ("test_search.py", "test_ray_runner.py", "test_train.py", "test_templates_verify.py",
-                  "test_cost_model.py", "test_faults.py", "test_tune.py", "test_gpu_check.py", "test_zero.py",
+                  "test_cost_model.py", "test_faults.py", "test_tune.py", "test_signals.py", "test_gpu_check.py", "test_zero.py",
                   "test_postgres.py", "test_cost_model_techniques.py", "test_time_model.py",
                   "test_sequence_parallel.py", "test_tensor_parallel.py", "test_launch.py", "test_runners.py",
                   "test_selective_checkpoint.py", "test_parallel_3d.py", "test_user_space.py", "test_interleaved.py",

@@ -1,19 +1,27 @@
 """The ``slapo-tune`` command line: one module per command, each with ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> exit code``.
 
-Every command turns bad input into one line on stderr and exit code 2 (usage) or 1 (a failed
-check), never a traceback.
+Every command turns bad input into one line on stderr and an exit code a scheduler can act on
+(the table in README, "Exit codes"), never a traceback. SIGTERM is taken as Ctrl-C is (see
+``._signals``).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
-from ..errors import SlapoTuneError, UsageError
+from ..errors import SlapoTuneError, Terminated, UsageError
+from ._signals import sigterm_as_interrupt
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK = 0
+EXIT_FAILED = 1  # a check failed (verify), or what trials run on did (a Ray head that did not come up)
+EXIT_USAGE = 2  # bad input: arguments, files, settings
+EXIT_NO_RESULT = 3  # tune ran but no point ran ok (nothing fits, nothing measured, every trial failed)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, Ctrl-C: as a shell reports a process a signal ended
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, SIGTERM (kill, systemd, Slurm)
 COMMANDS = ("demo", "space", "plan", "verify", "train", "tune", "show", "export", "salvage")
 
 
@@ -44,7 +52,17 @@ def _one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def interrupted_exit_code(exc: KeyboardInterrupt) -> int:
+    """EXIT_TERMINATED for SIGTERM (:class:`~slapo_tune.errors.Terminated`), else (Ctrl-C) EXIT_INTERRUPTED."""
+    return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with sigterm_as_interrupt():
+        return _run(argv)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
@@ -54,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SlapoTuneError as exc:
         print(f"slapo-tune: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("slapo-tune: interrupted", file=sys.stderr)
-        return 130
+        return interrupted_exit_code(exc)
     except BrokenPipeError:
         # the reader went away (``slapo-tune plan ... | head``): stop quietly, as a shell tool does;
         # stdout is pointed at /dev/null so the interpreter's final flush cannot fail again

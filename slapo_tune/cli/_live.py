@@ -4,8 +4,10 @@ On a terminal, a live display: a progress bar of the trials launched (of ``--tri
 pruned, failed and repeated ones, elapsed time and an ETA, and the trials in flight with their
 knobs and how long they have run; above it one line per finished trial (its throughput, peak
 memory against the budget, predicted against measured step time, the best so far) and each
-warning once. Elsewhere (a log file, a pipe) the same lines, plain. ``json``: one object per event
-on stdout; ``quiet``: nothing until the summary (:func:`print_summary`).
+warning once. Pruned points, never launched, are counted, not listed (a budget that nothing fits
+would list the whole space): trials.csv and ``json`` list them. Elsewhere (a log file, a pipe) the
+same lines, plain. ``json``: one object per event on stdout; ``quiet``: nothing until the summary
+(:func:`print_summary`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..plan import TrialStatus, readable
 from ..search._report import warning_kind
 from ..units import format_size
 
-STYLES = {"ok": "green", "oom": "yellow", "pruned": "yellow", "crash": "red", "timeout": "red", "invalid": "red",
+STYLES = {"ok": "green", "oom": "yellow", "crash": "red", "timeout": "red", "invalid": "red",
           "lost": "magenta", "placement_timeout": "magenta"}
 STOPS = {"trials": "--trials spent", "time budget": "--time-budget spent", "no improvement": "--patience spent"}
 ERROR_ROOM = 80  # characters of a failed trial's error on its line
@@ -99,6 +101,8 @@ class TuneView:
             self.in_flight[event["trial"]] = (event["knobs"], time.monotonic())
         elif kind in ("confirm", "confirmed"):
             self._print(confirm_line(event))
+        elif kind == TrialStatus.PRUNED:
+            pass  # never launched: counted, not listed (see the module's docstring)
         else:
             self.in_flight.pop(event.get("trial"), None)
             result = event.get("result") or {}
@@ -130,8 +134,6 @@ class TuneView:
             steps = sorted(result.get("step_times") or [])
             if steps and predicted.get("step_s"):
                 parts.append(f"step {steps[len(steps) // 2]:.3g} s, predicted {predicted['step_s']:.3g}")
-        elif kind == TrialStatus.PRUNED:
-            parts.append(event.get("reason") or f"predicted peak {format_size(predicted['pruned_peak'])} > {budget}")
         elif kind == TrialStatus.OOM:
             peaks = result.get("peak_memory") or []
             parts.append(f"out of memory (peak {format_size(max(peaks))} > {budget})" if peaks else "out of memory")

@@ -20,14 +20,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
+    from ..search._confirm import crowned
     from ..search._outputs import export
+    from ..search._report import no_result_reason
     from ..search._storage import storage_url
+    from . import EXIT_NO_RESULT, EXIT_OK
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"output folder {out} is a file; choose another --out")
-    name = export(storage_url(args.storage, args.storage_file), args.study, out, space=args.space)
+    study = export(storage_url(args.storage, args.storage_file), args.study, out, space=args.space)
+    if crowned(study)[0] is None:  # no schedule to train: the exit code tune gave the study
+        print(f"slapo-tune: study '{study.study_name}' has no result, so no best_schedule.json: "
+              f"{no_result_reason(study)}; each point's outcome is in {out / 'trials.csv'}", file=sys.stderr)
+        return EXIT_NO_RESULT
     written = [str(out / f) for f in ("trials.csv", "best_schedule.json", "report.html") if (out / f).is_file()]
-    print(f"study '{name}': {', '.join(written)}", file=sys.stderr)
+    print(f"study '{study.study_name}': {', '.join(written)}", file=sys.stderr)
     print(f"see: slapo-tune show {out}")
-    return 0
+    return EXIT_OK

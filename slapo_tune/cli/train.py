@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import time
 
 from ._common import (
@@ -57,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
                          save_every=args.save_every, keep=args.keep, resume=args.resume, init_from=args.init_from,
                          log_every=args.log_every, device=args.device, started_at=time.time())
     if under_torchrun():
+        # SIGTERM's default action: torchrun stops its workers with it, and a rank inside a
+        # collective (C++, where Python runs no handler) must end at once; it started no process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         run_under_torchrun(config)
         return EXIT_OK
     from ..apply import load_schedule

@@ -79,12 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def best_line(summary: dict, schedule: Path) -> str:
-    """The summary's line on the crowned point: its confirmed figure where it was confirmed."""
+    """The summary's line on the crowned point (a summary with one: see ``no_result_reason``
+    otherwise): its confirmed figure where it was confirmed."""
     from ..space import format_point
 
     best, confirmed = summary["best_point"], summary["confirmed"]
-    if best is None:
-        return "no point ran ok: loosen --memory-budget or check the failures in trials.csv"
     if confirmed is None:
         return f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {schedule}"
     return (f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
@@ -95,14 +94,18 @@ def best_line(summary: dict, schedule: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..device import cuda_reserve
     from ..errors import UsageError
+    from ..launch import multiprocessing_temp_dir
     from ..models import preset_names
     from ..precision import default_precision
     from ..search import TuneConfig, Tuner
     from ..search._cluster import connect, runtime_env_of
+    from ..search._report import no_result_reason
     from ..search._storage import check_storage, redact, storage_url
     from ..space import format_point, parse_knobs
     from ..units import format_size, parse_duration, parse_size
-    from ._live import TuneView, print_summary
+    from . import EXIT_NO_RESULT, EXIT_OK, interrupted_exit_code
+    from ._live import STOPS, TuneView, print_summary
+    from ._signals import termination_deferred
 
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
@@ -138,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_dashboard and args.ray_address != "local":
         raise UsageError("--keep-dashboard keeps the head of --ray-address local; an attached cluster stays up anyway")
     runtime_env = runtime_env_of(args.runtime_env)
+    # made now, not at the first local launch (with Ray there may be none): this also removes the
+    # multiprocessing folders of SIGKILLed drivers before anything else runs
+    multiprocessing_temp_dir()
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
                       args.concurrency, device=setup, runtime_env=runtime_env, net_if=args.net_if)
     try:
@@ -160,25 +166,32 @@ def run(args: argparse.Namespace) -> int:
                   f"'{tuner.study.study_name}' in {storage_shown}", file=sys.stderr, flush=True)
         with view:
             summary = tuner.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (see ._signals)
         print(f"slapo-tune: interrupted; running trials were stopped. Resume with the same command "
               f"(the study in {out} keeps every finished trial).", file=sys.stderr)
-        return 130
+        return interrupted_exit_code(exc)
     finally:
-        # trials, and a Ray head this tuner started, end with the command (unless kept for inspection)
-        kept = cluster.stop(keep_head=args.keep_dashboard)
+        # trials, and a Ray head this tuner started, end with the command (unless kept for inspection);
+        # a SIGTERM meanwhile waits for the head to be stopped
+        with termination_deferred():
+            kept = cluster.stop(keep_head=args.keep_dashboard)
         if kept:
             print(f"slapo-tune: {kept}", file=sys.stderr)
     if args.json_lines:
         print(json.dumps({"event": "done", **summary}, default=str))
-    else:
+    if summary["best_point"] is None:  # one line and its own exit code: a scheduler can tell it from a result
+        stop = STOPS.get(summary["stop"], summary["stop"])
+        print(f"slapo-tune: no result: {no_result_reason(tuner.study)} (stopped: {stop}); each point's outcome "
+              f"is in {out / 'trials.csv'}", file=sys.stderr)
+        return EXIT_NO_RESULT
+    if not args.json_lines:
         print_summary(summary, budget, shown)
         print(best_line(summary, out / "best_schedule.json"))
         # (a URL's password is shown as ***: the user types their own)
         password = ", your password for ***" if storage_at and storage_shown != storage_at else ""
         print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
               f"{dashboard_command(storage_shown)}{password})")
-    return 0
+    return EXIT_OK
 
 
 def dashboard_command(storage: str) -> str:

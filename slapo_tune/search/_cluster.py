@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +33,11 @@ from pathlib import Path
 from .._atomic import atomic_write_text
 from .._inputs import parse_json
 from ..device import DeviceSetup, default_concurrency, device_setup
-from ..errors import UsageError
+from ..errors import InfrastructureError, UsageError
 from ._storage import STORAGE_ENV
 
 HEAD_FILE = ".ray_head.json"
+HEAD_START_TIMEOUT = 90.0  # seconds for a local head to answer (5-10 s on an idle 2-core machine; more under load)
 RAY_LOG = "ray.log"  # Ray's own messages to this driver, in the results folder
 LOOPBACK = "127.0.0.1"
 # A local head is Ray's single-machine mode: Ray then takes 127.0.0.1 as the node's address (as it
@@ -168,6 +170,11 @@ def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
     ensure_auth_token()  # the head reads it; this driver too
     # (the study's storage URL, password and all, is none of Ray's business: it is not passed on)
     env = {**{k: v for k, v in os.environ.items() if k != STORAGE_ENV}, **LOCAL_HEAD_ENV}
+    # the temp files of the head's processes and trials in its own folder, removed with it: its
+    # dashboard's multiprocessing folder (pymp-*) outlived every stopped head in $TMPDIR
+    head_tmp = temp / "tmp"
+    head_tmp.mkdir(parents=True)
+    env["TMPDIR"] = str(head_tmp)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     log.close()
     return proc.pid, f"{LOOPBACK}:{port}", f"http://{LOOPBACK}:{dash}", temp
@@ -184,16 +191,20 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
     while True:
         if head_pid is not None and not _alive(head_pid):
             tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log and log.is_file() else []
-            raise UsageError(f"the local Ray head exited while starting: {tail[0] if tail else 'no log'} "
-                             f"(log: {log})")
+            raise InfrastructureError(f"the local Ray head exited while starting: {tail[0] if tail else 'no log'} "
+                                      f"(log: {log})")
         try:
             check_reachable(address, timeout=2.0)
             break
         except UsageError:
-            if time.monotonic() >= deadline:
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+            elif head_pid is not None:  # a head this tuner started, slow under load: not the user's input
+                raise InfrastructureError(f"the local Ray head did not answer at {address} within {timeout:.0f} s "
+                                          f"(log: {log})") from None
+            else:
                 raise
-            time.sleep(0.5)
-    with _stderr_to(ray_log):
+    with _stderr_to(ray_log), _sigterm_handler_kept():
         _check_token(address)
         try:
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR",
@@ -201,9 +212,25 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
         except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
             _raise_if_token(address, exc)
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
+            error = UsageError if head_pid is None else InfrastructureError  # (the head this tuner started)
+            raise error(f"cannot attach to the Ray cluster at {address}: {first}") from None
     if ray_log is not None:
         route_ray_messages(ray_log)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept():
+    """This process's SIGTERM handler put back afterwards: ``ray.init`` replaces it with one that
+    calls ``sys.exit`` and Ray's core worker adds a C handler that dumps a stack trace (seen: no
+    message, the driver aborted by SIGABRT, ``pymp-*`` left); the command line's (``cli._signals``)
+    stops trials and the head as Ctrl-C does."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        # (None: a handler installed outside Python, which cannot be put back from here)
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 TOKEN_HELP = ("copy the cluster's token (on the head: ray get-auth-token) to ~/.ray/auth_token here, or name its "
@@ -332,9 +359,9 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard,
                                                      "temp": str(temp)}))
         try:
-            _connect(address, 90.0, namespace, head_pid=pid, log=out / "ray_head.log", ray_log=out / RAY_LOG,
-                     runtime_env=runtime_env)
-        except UsageError:
+            _connect(address, HEAD_START_TIMEOUT, namespace, head_pid=pid, log=out / "ray_head.log",
+                     ray_log=out / RAY_LOG, runtime_env=runtime_env)
+        except BaseException:  # an error, Ctrl-C or SIGTERM while it boots: nothing left running
             stop_head(pid, temp)
             head_file.unlink(missing_ok=True)
             raise
@@ -344,7 +371,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         cluster = Cluster(None, "ray", ray_address, None)
     try:
         cluster.runner = RayRunner(concurrency=_fit(concurrency, world_size, device))
-    except UsageError:  # a world the cluster's GPUs cannot hold: leave nothing running
+    except BaseException:  # a world the cluster's GPUs cannot hold, or interrupted: leave nothing running
         cluster.stop()
         raise
     return cluster

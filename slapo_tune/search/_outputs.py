@@ -154,13 +154,13 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
 
 
 def export(storage: str | None, study_name: str | None, out: Path, report: bool = True,
-           space: str | None = None) -> str:
+           space: str | None = None) -> Study:
     """Write ``trials.csv``, ``best_schedule.json`` (and with ``report`` the report) of the study
     ``study_name`` in ``storage`` into ``out``, from the study alone: a study run anywhere (a Ray
     Job, another driver's machine) read back here. ``study_name`` None: the storage's only study.
-    Returns the study's name; UsageError when there is no such study or it was not written by
-    the tuner. The study is data: a template file or module it names is loaded only as the user
-    names it (``space``, their ``--space``; see :func:`search_spaces.recorded_template`)."""
+    Returns the study; UsageError when there is no such study or it was not written by the tuner.
+    The study is data: a template file or module it names is loaded only as the user names it
+    (``space``, their ``--space``; see :func:`search_spaces.recorded_template`)."""
     import optuna
 
     from search_spaces import recorded_template
@@ -192,5 +192,5 @@ def export(storage: str | None, study_name: str | None, out: Path, report: bool 
     spec = ProblemSpec.from_record(recorded.get("problem") if isinstance(recorded, dict) else None, where)
     template = recorded_template(spec.template, spec.template_sha256, space, where)
     problem = spec.resolve(template=template)
-    Outputs(out, problem, recorded["strategy"], recorded.get("command")).finish(study, report=report)
-    return study_name
+    Outputs(out, problem, str(recorded.get("strategy", "?")), recorded.get("command")).finish(study, report=report)
+    return study

@@ -47,6 +47,28 @@ def statuses(study: Study) -> dict[str, int]:
     return {status: n for status, n in counts.items() if n}
 
 
+def no_result_reason(study: Study) -> str:
+    """Why no point of the study ran ok, in one clause with its figures: every launched trial
+    failed (by how), the cost model pruned every point tried (the smallest peak it predicted,
+    against the budget), or nothing was measured (how the trials that were told ended)."""
+    counts = statuses(study)
+    launched = {s: n for s, n in counts.items() if TrialStatus(s).launched}
+    others = ", ".join(f"{n} {s}" for s, n in counts.items() if s not in launched)
+    if launched:
+        return (f"every trial failed, {sum(launched.values())} launched ("
+                + ", ".join(f"{n} {s}" for s, n in launched.items()) + ")" + (f"; {others}" if others else ""))
+    peaks = [(t.user_attrs.get("predicted") or {}).get("pruned_peak") for t in study.get_trials(deepcopy=False)
+             if trial_status(t) is TrialStatus.PRUNED]
+    if peaks:
+        budget = (study.user_attrs.get("context") or {}).get("memory_budget")
+        least = min((p for p in peaks if p is not None), default=None)
+        return (f"nothing fits the memory budget{f' of {format_size(budget)} per rank' if budget else ''}: the "
+                f"cost model pruned every point tried ({len(peaks)})"
+                + (f", the smallest predicted peak {format_size(least)}" if least is not None else "")
+                + "; raise --memory-budget")
+    return "nothing was measured" + (f" ({others})" if others else "")
+
+
 def out_of_the_box(study: Study, best: FrozenTrial | None, confirmed: dict[str, Any] | None) -> dict[str, Any] | None:
     """The crowned point against the out-of-the-box schedule the tuner recorded (``plan.OUT_OF_THE_BOX``):
     measured where the study ran that point, else the ratio of the cost model's predictions
@@ -209,7 +231,8 @@ def _memory(plt, frame, budget: int):
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("trial")
     ax.set_ylabel("peak memory per rank (MiB)")
-    ax.legend(fontsize=7, loc="best")
+    if ax.get_legend_handles_labels()[0]:  # (no trial with a peak, all crashed: matplotlib would warn on stderr)
+        ax.legend(fontsize=7, loc="best")
     return fig
 
 

@@ -1,0 +1,96 @@
+"""Exit codes a scheduler can act on: a tune that produced no result exits 3 (not 0) with one line,
+and a local Ray head that does not come up is an infrastructure failure (1), not a usage error (2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from slapo_tune.cli import EXIT_FAILED, EXIT_NO_RESULT, EXIT_USAGE, main
+from slapo_tune.search import _cluster
+
+# a space of a few points (micro-batch sizes) on 2 ranks, one measured step per trial
+SMALL = ["--ray-address", "none", "--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8",
+         "--seq-len", "32", "--measured-steps", "1", "--confirm", "0",
+         "--knobs", "tp=1,pp=1,zero=0,ckpt_ratio=0,attn=sdpa,fuse=off"]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, list[str]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning would be a line more on stderr
+        code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+def test_nothing_fits_exits_3_with_one_line_and_export_says_so(capsys, tmp_path):
+    """Every point pruned: one line saying so (not one per point), exit 3; ``show`` lists the pruned
+    points and exits 0; ``export`` writes no schedule and exits 3."""
+    out = tmp_path / "out"
+    code, stdout, err = _run(capsys, "tune", *SMALL, "--memory-budget", "1KiB", "--out", str(out))
+    banner, *rest = err
+    assert code == EXIT_NO_RESULT and stdout == "" and banner.startswith("slapo-tune: gpt2-tiny on 2 cpu rank(s)")
+    assert len(rest) == 1, rest
+    assert rest[0].startswith("slapo-tune: no result: nothing fits the memory budget of 0.0 MiB per rank: the cost "
+                              "model pruned every point tried (")
+    assert "raise --memory-budget" in rest[0] and str(out / "trials.csv") in rest[0]
+    code, stdout, _ = _run(capsys, "show", str(out))
+    assert code == 0 and "pruned" in stdout and "best: none yet" in stdout
+    code, stdout, err = _run(capsys, "export", "--storage", str(out / "study.journal"), "--out", str(tmp_path / "x"))
+    assert code == EXIT_NO_RESULT and stdout == "" and len(err) == 1
+    assert err[0].startswith("slapo-tune: study 'out' has no result, so no best_schedule.json: nothing fits")
+    assert not (tmp_path / "x" / "best_schedule.json").exists() and (tmp_path / "x" / "trials.csv").is_file()
+
+
+def test_every_trial_failing_exits_3_with_one_line(capsys, tmp_path):
+    """Rank 1 of every trial raises mid-step (a fault-injecting template): exit 3, one line with the
+    trials by how they failed."""
+    code, stdout, err = _run(capsys, "tune", *SMALL, "--knobs", "micro_batch=1", "--space", "_fault_templates:Raises",
+                             "--trials", "1", "--quiet", "--out", str(tmp_path / "out"))
+    assert code == EXIT_NO_RESULT and stdout == ""
+    assert err[1:] == [f"slapo-tune: no result: every trial failed, 1 launched (1 crash) (stopped: --trials spent); "
+                       f"each point's outcome is in {tmp_path / 'out' / 'trials.csv'}"], err
+
+
+class _FastClock:
+    """``time`` for _cluster: every reading 100 s after the last, sleeping takes no time (a head
+    that never answers times out at once, whatever the timeout)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 100.0
+        return self.now
+
+    def sleep(self, _seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("head", ["silent", "exits"])
+def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_path, monkeypatch, head):
+    """A head that never answers (a loaded machine) or that exits while starting: one line naming
+    the head's log, exit 1 (infrastructure), not 2; the head's process is stopped."""
+    for name, value in _cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
+        monkeypatch.setenv(name, value)
+    # the "head": a process of its own session, as start_head makes it, that never listens
+    lifetime = 0 if head == "exits" else 600
+    proc = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({lifetime})"], start_new_session=True)
+    try:
+        if head == "exits":
+            proc.wait(timeout=30)
+        monkeypatch.setattr(_cluster, "start_head", lambda out, cpus: (proc.pid, "127.0.0.1:9", "http://x", None))
+        monkeypatch.setattr(_cluster, "time", _FastClock())
+        code, stdout, err = _run(capsys, "tune", *SMALL, "--ray-address", "local", "--out", str(tmp_path / "out"))
+        assert code == EXIT_FAILED and code != EXIT_USAGE and len(err) == 1, err
+        what = "did not answer at 127.0.0.1:9" if head == "silent" else "exited while starting"
+        assert err[0].startswith(f"slapo-tune: the local Ray head {what}"), err
+        assert err[0].endswith(f"(log: {tmp_path / 'out' / 'ray_head.log'})"), err
+        assert proc.wait(timeout=30) is not None  # stopped by the tuner (by its process group)
+        assert not (tmp_path / "out" / _cluster.HEAD_FILE).exists()
+    finally:
+        proc.kill()
+        proc.wait()
