@@ -304,8 +304,9 @@ def launch(
     ctx = _start_method(backend, fn)
     procs, conns = [], []
     # the rendezvous store: a file only this user can reach (mkdtemp makes the folder 0700), not a
-    # TCPStore, which listens on every interface whatever host it is given, unauthenticated
-    rendezvous = tempfile.mkdtemp(prefix="slapo-rendezvous-")
+    # TCPStore, which listens on every interface whatever host it is given, unauthenticated; inside
+    # the tagged multiprocessing temp dir, which the next run removes if this process is SIGKILLed
+    rendezvous = tempfile.mkdtemp(prefix="slapo-rendezvous-", dir=multiprocessing_temp_dir())
     store_path = os.path.join(rendezvous, "store")
     try:
         for rank in range(world_size):

@@ -7,6 +7,7 @@ Schedules receive their groups from a :class:`Topology`; nothing else creates gr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -73,6 +74,11 @@ def factorize(world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None) 
 def _ensure_process_group(device_type: str) -> None:
     if not dist.is_initialized():
         # A single process still runs through the same distributed code path (groups of size 1).
+        # It has no peer: gloo's listeners (this group's and the mesh's, which follow
+        # GLOO_SOCKET_IFNAME, else the address the hostname resolves to) go on the loopback.
+        from .launch import loopback_environment
+
+        os.environ.update(loopback_environment())
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 

@@ -1,8 +1,11 @@
 """The local launcher: results by rank, failures named by rank, nothing left behind."""
 
+import ast
 import json
 import multiprocessing.forkserver
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -112,6 +115,20 @@ def test_an_interface_the_user_named_wins_over_the_loopback():
     assert loopback_environment({"GLOO_SOCKET_IFNAME": "ib0"}) == {"NCCL_SOCKET_IFNAME": lo}
     assert loopback_environment({"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}) == {}
     assert loopback_environment({"NCCL_SOCKET_IFNAME": ""}) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+
+
+def test_a_single_process_group_listens_on_the_loopback():
+    """``init_topology`` without torchrun (one process, no peer) puts gloo's listeners on the
+    loopback; it reads the interface from the environment, which must name it before the group
+    (and the mesh's groups) exist. In a process of its own: this one's group may exist."""
+    script = ("import os, psutil, slapo_tune.topology as t; t.init_topology(); "
+              "print(os.environ.get('GLOO_SOCKET_IFNAME'), sorted({c.laddr.ip for c in "
+              "psutil.Process().net_connections(kind='inet') if c.status == 'LISTEN'}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    interface, addresses = done.stdout.split(" ", 1)
+    assert done.returncode == 0 and interface == loopback_interface(), done.stderr
+    assert addresses.strip() != "[]" and all(is_loopback(a) for a in ast.literal_eval(addresses))
 
 
 def test_a_hanging_rank_times_out(no_leftover_children):
