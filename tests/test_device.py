@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from slapo_tune import device as device_module
-from slapo_tune.cli import main
+from slapo_tune.cli import EXIT_NO_RESULT, main
 from slapo_tune.cost_model import detect_hardware, hardware_for
 from slapo_tune.device import DeviceSetup, GiB, collective_timeout, cuda_reserve, device_setup
 from slapo_tune.errors import UsageError
@@ -96,14 +96,15 @@ def test_tune_defaults_on_cuda(capsys, monkeypatch, fake_cuda, tmp_path):
     class Tuner:  # stands in for the driver: what the command would tune with, and nothing run
         def __init__(self, config, runner, **_):
             seen.update(config=config, runner=runner)
-            self.study = SimpleNamespace(study_name="s")
+            self.study = SimpleNamespace(study_name="s", user_attrs={}, get_trials=lambda **_: [])
 
         def run(self):
             return {"stop": "trials", "launched": 0, "pruned": 0, "failed": 0, "infrastructure": 0, "duplicates": 0,
                     "best_point": None, "confirmed": None, "elapsed": 0.0}
 
     monkeypatch.setattr(search, "Tuner", Tuner)
-    assert main(["tune", "--world-size", "4", "--ray-address", "none", "--out", str(tmp_path / "o")]) == 0
+    # (the stand-in measures nothing: the command's code for a study without a result)
+    assert main(["tune", "--world-size", "4", "--ray-address", "none", "--out", str(tmp_path / "o")]) == EXIT_NO_RESULT
     config = seen["config"]
     expected = 141 * GiB - cuda_reserve(141 * GiB)
     assert config.problem.device == "cuda" and config.problem.precision == "bf16" and config.hardware == "h200"
@@ -115,7 +116,7 @@ def test_tune_defaults_on_cuda(capsys, monkeypatch, fake_cuda, tmp_path):
     assert "reserved" in err and "2 in flight" in err
     # a budget given is taken as given; a world larger than the GPUs stops before anything starts
     assert main(["tune", "--world-size", "2", "--ray-address", "none", "--memory-budget", "1GiB",
-                 "--out", str(tmp_path / "p")]) == 0
+                 "--out", str(tmp_path / "p")]) == EXIT_NO_RESULT
     assert seen["config"].problem.memory_budget == GiB and seen["config"].concurrency == 4
     assert main(["tune", "--world-size", "16", "--global-batch", "16", "--ray-address", "none",
                  "--out", str(tmp_path / "q")]) == 2

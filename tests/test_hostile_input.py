@@ -122,7 +122,8 @@ def test_a_study_naming_a_template_file_runs_it_only_when_the_user_names_it(tmp_
         assert f"study 'shared' in {journal} was made with the template file {space}" in err
         assert f"pass --space {space}" in err and not marker.exists()
     assert not (tmp_path / "out").exists()
-    assert main(["export", "--storage", str(journal), "--out", str(tmp_path / "out"), "--space", str(space)]) == 0
+    # named, it runs: the study's outputs are written (it ran no trial: the code of a study without a result)
+    assert main(["export", "--storage", str(journal), "--out", str(tmp_path / "out"), "--space", str(space)]) == 3
     assert marker.exists() and (tmp_path / "out" / "trials.csv").is_file()
 
 

@@ -40,7 +40,7 @@ def test_unknown_model_and_field_are_usage_errors(tmp_path):
         st.build_model("gpt2-tiny", n_layerz=3)
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
-    with pytest.raises(st.UsageError, match="cannot read model config"):
+    with pytest.raises(st.UsageError, match="model config .*config.json is not valid JSON"):
         st.build_model(bad)
 
 
