@@ -156,11 +156,20 @@ def test_divisors_are_those_of_the_definition(n):
     (["train", "--schedule", "s.json", "--keep", "0"], "expected a positive integer, got 0"),
     (["verify", "--model", "gpt2-tiny", "--world-size", "64"], "64 cpu ranks on this machine's"),
 ])
-def test_sizes_beyond_any_run_are_one_line(capfd, monkeypatch, argv, message):
+def test_sizes_beyond_any_run_are_one_line(tmp_path, capfd, monkeypatch, argv, message):
     from slapo_tune import device
 
     monkeypatch.setattr(device, "usable_cores", lambda: [0, 1])  # the CI machine's two cores, wherever this runs
-    assert message in _one_line(capfd, argv)
+    out = tmp_path / "out"
+    if "s.json" in argv:  # a schedule that trains: only the option is wrong
+        argv = [str(_schedule(tmp_path / "s.json")) if a == "s.json" else a for a in argv]
+    assert message in _one_line(capfd, [*argv, *_NOTHING_STARTED.get(argv[0], ()), *(["--out", str(out)]
+                                                                                   if argv[0] == "tune" else [])])
+    assert not out.exists()  # nothing written
+
+
+# (had the option been taken, the command would have started: with no Ray head, no ranks, to show it)
+_NOTHING_STARTED = {"tune": ("--ray-address", "none", "--trials", "1")}
 
 
 def test_a_billion_ranks_is_refused_at_once_not_enumerated():
@@ -221,7 +230,9 @@ def test_deeply_nested_json_is_one_line(tmp_path, capfd, depth):
     assert "nests deeper than 32 levels" in _one_line(capfd, ["space", "--model", str(tmp_path / "model"),
                                                               "--world-size", "2"])
     assert "expected package, a .whl file or a JSON object" in _one_line(
-        capfd, ["tune", "--runtime-env", "[" * depth + "]" * depth])
+        capfd, ["tune", "--runtime-env", "[" * depth + "]" * depth, *_NOTHING_STARTED["tune"],
+                "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def _config_dir(tmp_path: Path, name: str, values: dict) -> str:
