@@ -46,13 +46,8 @@ def read_small_bytes(path: str | os.PathLike, what: str, limit: int = MAX_INPUT_
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     if stat.S_ISDIR(info.st_mode):
         raise UsageError(f"{what} {path} is a directory, not a file")
-    if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"{what} {path} is not a regular file (a device, pipe or socket): refused")
-    if info.st_size > limit:
-        raise UsageError(f"{what} {path} is {info.st_size} bytes, over the {_size_text(limit)} a {what} may have: "
-                         "refused")
     try:
-        # O_NONBLOCK: had the path become a FIFO since the stat, opening it must not wait for a writer
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (what was opened is checked next)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):

@@ -127,6 +127,22 @@ def test_a_study_naming_a_template_file_runs_it_only_when_the_user_names_it(tmp_
     assert marker.exists() and (tmp_path / "out" / "trials.csv").is_file()
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"world_size": "2"}, "world_size is str, not int"), ({"memory_budget": None}, "has no memory budget"),
+    ({"colour": "red"}, "unknown field 'colour'"), ({"model": None}, "no model name"),
+    ({"template": ["a"]}, "template is list, not str or NoneType")])
+def test_a_study_whose_recorded_problem_is_malformed_is_one_line(change, message):
+    from dataclasses import asdict
+
+    from slapo_tune.errors import UsageError
+    from slapo_tune.problem import ProblemSpec
+
+    record = asdict(ProblemSpec("gpt2-tiny", 2, memory_budget=2**24))  # what the tuner records
+    assert ProblemSpec.from_record(dict(record), "study") == ProblemSpec(**record)
+    with pytest.raises(UsageError, match=message):
+        ProblemSpec.from_record({**record, **change}, "study")
+
+
 # ------------------------------------------------------------------------ sizes
 @given(hs.integers(1, 10**12))
 def test_divisors_are_those_of_the_definition(n):
