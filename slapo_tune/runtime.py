@@ -13,6 +13,8 @@ data parallelism averaged. Trials, the training job and ``verify`` all run this 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -40,6 +42,95 @@ def _schedule_class(name: str, interleaved: bool):
     if interleaved:
         return ScheduleInterleavedZeroBubble if name == "zb" else ScheduleInterleaved1F1B
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+
+
+@functools.cache
+def _lazy_receive_stage():
+    """``PipelineStage`` whose receive buffers are made when their receive is posted and dropped
+    once consumed, instead of one per micro-batch made up front and kept (torch's
+    ``_setup_forward_recv_info`` / ``_setup_backward_recv_info``).
+
+    A received activation *is* the stage's input: autograd keeps it for the backward of its
+    micro-batch (the stage references it through ``fwd_cache``), so it lives exactly as long as
+    that micro-batch is in flight (about ``pp`` under 1F1B, all of them under GPipe, which keeps
+    every activation anyway). A received gradient lives through its micro-batch's backward (under
+    zero bubble, until the weight pass that reads it). A buffer the allocator gets back is reused
+    by the next receive of its size, so a rank holds only the buffers in flight."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import _make_tensor_from_meta
+
+    class LazyReceiveStage(PipelineStage):
+        def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+            # torch's, for one micro-batch (one buffer, dropped at once), copied to the others
+            super()._setup_forward_recv_info(1, has_backward)
+            self._drop(self.args_recv_info)
+            for chunk in range(1, num_microbatches):
+                self.args_recv_info[chunk] = tuple(copy.copy(info) for info in self.args_recv_info[0])
+
+        def _create_grad_recv_info(self, act_send_info):
+            infos = super()._create_grad_recv_info(act_send_info)
+            for info in infos:  # made one micro-batch at a time: never more than one at once
+                info.buffer = None
+            return infos
+
+        @staticmethod
+        def _drop(recv_info) -> None:
+            for infos in recv_info.values():
+                for info in infos:
+                    if not info.is_root_arg:
+                        info.buffer = None
+
+        @staticmethod
+        def _allocate(infos, device) -> None:
+            for info in infos:
+                if not info.is_root_arg and info.buffer is None and info.tensor_meta is not None:
+                    info.buffer = _make_tensor_from_meta(info.tensor_meta, device)
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int):
+            self._allocate(self.args_recv_info[fwd_chunk_id], self.device)
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int):
+            if self.has_backward and not self.is_last:
+                self._allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            if not self.is_first:  # the input is now the forward's: held by it until the backward
+                self._drop({fwd_chunk_id: self.args_recv_info[fwd_chunk_id]})
+            return output
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if not self.is_last:
+                self._drop({bwd_chunk_id: self.grad_recv_info[bwd_chunk_id]})
+            if loss is not None:
+                if full_backward:
+                    self._release_graph(loss)
+                else:  # the weight pass still runs through it
+                    self._pending_losses[bwd_chunk_id] = loss
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            loss = self._pending_losses.pop(bwd_chunk_id, None)
+            if loss is not None:
+                self._release_graph(loss)
+
+        @property
+        def _pending_losses(self) -> dict:
+            return self.__dict__.setdefault("_losses_before_weight_pass", {})
+
+        @staticmethod
+        def _release_graph(loss: torch.Tensor) -> None:
+            # the schedule keeps each micro-batch's loss until the step ends; its graph's
+            # accumulation node for the stage input keeps that input (the received activation)
+            # alive as long: detached once backward is done, the input goes when its backward does
+            if not loss._is_view():
+                loss.detach_()
+
+    return LazyReceiveStage
 
 
 def default_optimizer(params, lr: float = 1e-4) -> torch.optim.Optimizer:
@@ -118,7 +209,7 @@ class TrainStep:
         return self.loss_fn(logits, labels) / self.n_microbatches
 
     def _make_schedule(self, shape) -> None:
-        from torch.distributed.pipelining import PipelineStage
+        PipelineStage = _lazy_receive_stage()
 
         # Shapes given up front put the stage in static mode: no metadata inference round trips
         # (and none of the data-dependent reads that a shape-only dry run cannot answer).
@@ -142,11 +233,11 @@ class TrainStep:
 
     def held_buffers(self) -> list[torch.Tensor]:
         """The tensors the step keeps from one step to the next that no module or optimizer owns:
-        torch's pipeline stages make a receive buffer per micro-batch for every activation and
-        every gradient a stage receives on their first step, and keep them (a rank of an
-        interleaved pipeline: for each of its chunks). Empty before the first step and without a
-        pipeline. A device's allocator counts them in every later step's peak; a tracker that
-        starts from the modules and the optimizer must be given them."""
+        the pipeline stages' receive buffers still referenced after the step (for every chunk of
+        an interleaved rank). Ours (:func:`_lazy_receive_stage`) let each go once consumed, so
+        this is empty; torch's own kept one per micro-batch. A device's allocator counts what is
+        held in every later step's peak, and a tracker that starts from the modules and the
+        optimizer must be given it."""
         if self._schedule is None:
             return []
         stages = getattr(self._schedule, "_stages", None) or [self._schedule._stage]

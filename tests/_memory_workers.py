@@ -37,17 +37,20 @@ def real_steps_rank(ctx, spec, points: list[dict]) -> list[dict]:
     return out
 
 
-def held_buffers_rank(ctx, spec, point: dict, steps: int = 3) -> list[tuple[int, list[int]]]:
-    """For each of ``steps`` steps: the bytes of the pipeline receive buffers the step keeps
-    (:meth:`TrainStep.held_buffers`) and their storages' addresses."""
+def peaks_over_microbatches_rank(ctx, specs: list, point: dict) -> list[dict]:
+    """For each problem (the same point, a different global batch, so a different micro-batch
+    count): the measured peak of a step (MemTracker), and the receive buffers the step kept after
+    it (:meth:`TrainStep.held_buffers`)."""
+    from slapo_tune.cost_model.measure import measure_point_rank
     from slapo_tune.session import Session
 
-    problem = spec.resolve()
-    session = Session(problem, problem.plan(point), seed=0)
-    batch = session.synthetic_batch()
     out = []
-    for _ in range(steps):
-        session.train_step(batch)
-        held = session.step.held_buffers()
-        out.append((sum(t.untyped_storage().nbytes() for t in held), [t.untyped_storage().data_ptr() for t in held]))
+    for spec in specs:
+        measured = measure_point_rank(ctx, spec, point, timed_steps=0, tracked_steps=1)
+        problem = spec.resolve()
+        session = Session(problem, problem.plan(point), seed=0)
+        session.train_step(session.synthetic_batch())
+        measured["held"] = len(session.step.held_buffers())
+        out.append(measured)
+        dist.barrier()
     return out

@@ -64,7 +64,7 @@ MEMORY_TERMS = (
     "score_grads",  # an attention backward's gradients of materialised scores (eager, SDPA's math fallback)
     "logits",  # per micro-batch in flight (last stage): the loss's fp32 log-softmax, a pipeline stage's output
     "logits_grad",  # the loss's backward: two fp32 logits-sized gradients (log-softmax's and its input's)
-    "pp_recv",  # pipeline receive buffers per micro-batch: activations (stages after the first), gradients (before the last)
+    "pp_recv",  # pipeline receive buffers not yet consumed: activations (stages after the first), gradients (before the last)
     "pp_sends",  # interleaved pipelines: what a rank has sent (chunk outputs, input gradients), alive until the step ends
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units (none by default; a calibration may find some)
@@ -977,10 +977,12 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         base = _nonzero({
             "weights": params * state_bytes["weights"], "master": params * state_bytes["master"],
             "optimizer": params * state_bytes["optimizer"],
-            # torch's pipeline stages keep receive buffers per micro-batch for the whole step: for the
-            # activations (every stage but the model's first) and for their gradients (every stage
-            # but the last); an interleaved rank holds vpp stages
-            "pp_recv": hidden_1 * m * (2 * vpp - first - last) if pipelined else 0.0,
+            # receive buffers (runtime._lazy_receive_stage) are made when a receive is posted and
+            # go once consumed: a received activation is its micro-batch's stage input, kept by
+            # autograd while that micro-batch is in flight (every chunk but the model's first); a
+            # received gradient lives through one backward (every chunk but the last). O(pp) under
+            # 1F1B, whatever the micro-batch count; GPipe holds every micro-batch's
+            "pp_recv": hidden_1 * (fresh * (vpp - first) + vpp - last) if pipelined else 0.0,
             "constant": 2**20,
         })
         cache = {} if sharded or not copy_bytes else {

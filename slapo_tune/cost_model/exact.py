@@ -147,8 +147,8 @@ def steady_state_workload(point: Mapping[str, Any], workload: Workload) -> Workl
     """The same workload with only as many micro-batches as it takes to reach the peak.
 
     Without a pipeline, accumulating over more micro-batches repeats the second one's pattern (it
-    already runs with the gradients alive). Pipeline stages keep a receive buffer per micro-batch
-    for the whole step, so they run them all.
+    already runs with the gradients alive). A pipeline runs them all: how many are in flight, and
+    what an interleaved schedule keeps of its sends until the step ends, depend on the count.
     """
     if point["pp"] > 1:
         return workload
