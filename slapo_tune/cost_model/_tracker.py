@@ -24,7 +24,7 @@ def tracked_step(session, batch) -> MemoryBreakdown:
     if session.stage.master is not None:  # the optimizer's parameters are not the stage's
         for master in session.stage.master.parameters():
             tracker._add(master, "optimizer")
-    for buffer in session.step.held_buffers():  # a pipeline's receive buffers, kept from the first step
+    for buffer in session.step.held_buffers():  # receive buffers a pipeline kept between steps (ours: none)
         tracker._add(buffer, "activations")
     with tracker:
         session.train_step(batch)

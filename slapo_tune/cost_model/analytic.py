@@ -64,7 +64,7 @@ MEMORY_TERMS = (
     "score_grads",  # an attention backward's gradients of materialised scores (eager, SDPA's math fallback)
     "logits",  # per micro-batch in flight (last stage): the loss's fp32 log-softmax, a pipeline stage's output
     "logits_grad",  # the loss's backward: two fp32 logits-sized gradients (log-softmax's and its input's)
-    "pp_recv",  # pipeline receive buffers not yet consumed: activations (stages after the first), gradients (before the last)
+    "pp_recv",  # pipeline receive buffers in flight: activations (stages after the first), gradients (before the last)
     "pp_sends",  # interleaved pipelines: what a rank has sent (chunk outputs, input gradients), alive until the step ends
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units (none by default; a calibration may find some)
