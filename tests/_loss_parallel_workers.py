@@ -1,0 +1,37 @@
+"""Rank functions for the vocabulary-parallel loss tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slapo_tune._vocab_loss import vocab_parallel_cross_entropy
+
+
+def _reference(logits, labels, shift):
+    if shift:
+        labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def run_cross_entropy(ctx, vocab):
+    """The vocabulary-parallel loss and its gradient on this rank's slice against torch's
+    cross-entropy of the whole logits (same seed on every rank), shifted and not, with labels
+    ignored and labels on every rank's slice."""
+    out = {}
+    for shift in (True, False):
+        torch.manual_seed(0)
+        logits = (torch.randn(3, 7, vocab, dtype=torch.float64) * 4).float()
+        labels = torch.randint(0, vocab, (3, 7))
+        labels[0, 2] = labels[1, 5] = -100
+        whole = logits.clone().requires_grad_(True)
+        ref = _reference(whole, labels, shift)
+        ref.backward()
+        width = vocab // ctx.world_size
+        cols = slice(ctx.rank * width, (ctx.rank + 1) * width)
+        local = logits[..., cols].clone().requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(local, labels, None, shift=shift)
+        (loss * 3).backward()
+        out[shift] = {"loss_error": abs(loss.item() - ref.item()), "loss": loss.item(),
+                      "grad_error": (local.grad - 3 * whole.grad[..., cols]).abs().max().item()}
+    return out
