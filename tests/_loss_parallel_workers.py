@@ -35,3 +35,20 @@ def run_cross_entropy(ctx, vocab):
         out[shift] = {"loss_error": abs(loss.item() - ref.item()), "loss": loss.item(),
                       "grad_error": (local.grad - 3 * whole.grad[..., cols]).abs().max().item()}
     return out
+
+
+def run_template_points(ctx, cases):
+    """verify_point for each (key, spec, knobs), with the width of the logits the stage returns."""
+    from slapo_tune.checks import verify_point
+    from slapo_tune.session import Session
+
+    out = {}
+    for key, spec, knobs in cases:
+        res = verify_point(ctx, spec, knobs)
+        problem = spec.resolve()
+        session = Session(problem, problem.plan(knobs), device=ctx.device)
+        ids = session.synthetic_batch(0)["input_ids"][:1]
+        with torch.no_grad():
+            res["logits_width"] = session.stage(ids).shape[-1]
+        out[key] = res
+    return out
