@@ -40,12 +40,14 @@ def _reduce(x: torch.Tensor, op, group) -> None:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index):
-        # logits [tokens, vocab / tp] (fp32), target [tokens] (global vocabulary ids)
+        # logits [tokens, vocab / tp] (any float dtype), target [tokens] (global vocabulary ids)
         width = logits.shape[-1]
         start = _comm.group_rank(group) * width if not _comm.is_disabled() else 0
-        row_max = logits.max(dim=-1).values
+        row_max = logits.max(dim=-1).values.float()
         _reduce(row_max, dist.ReduceOp.MAX, group)
-        shifted = logits - row_max.unsqueeze(-1)
+        # one fp32 buffer of the slice, worked on in place: shifted, exponentiated, then the softmax
+        # (beside the caller's logits: 4 + their bytes per element at most)
+        shifted = logits.to(torch.float32, copy=True).sub_(row_max.unsqueeze(-1))
         local = target - start
         owned = (local >= 0) & (local < width) & (target != ignore_index)
         local = torch.where(owned, local, torch.zeros_like(local))
@@ -78,13 +80,14 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     the vocabulary, rank ``r`` holding ids ``[r * vocab / tp, (r + 1) * vocab / tp)``) against
     ``labels`` (``[...]``, global ids), over the tensor-parallel ``group``: equal to Hugging Face's
     causal-LM loss of the gathered logits (``shift``: token ``t`` predicts label ``t + 1``), or to
-    plain cross-entropy without ``shift``. Computed in fp32 as Hugging Face does."""
+    plain cross-entropy without ``shift``. Computed in fp32 as Hugging Face does; the gradient comes
+    back in the logits' dtype."""
     if logits.shape[:-1] != labels.shape:
         raise ScheduleError(f"vocabulary-parallel loss: logits {tuple(logits.shape)} do not match labels "
                             f"{tuple(labels.shape)}")
     if shift:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    logits = logits.float().reshape(-1, logits.shape[-1])
+    logits = logits.reshape(-1, logits.shape[-1])  # upcast inside, in the buffer the loss keeps
     target = labels.reshape(-1).to(logits.device)
     per_token = _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
     return per_token.sum() / (target != ignore_index).sum()

@@ -34,6 +34,18 @@ def run_cross_entropy(ctx, vocab):
         (loss * 3).backward()
         out[shift] = {"loss_error": abs(loss.item() - ref.item()), "loss": loss.item(),
                       "grad_error": (local.grad - 3 * whole.grad[..., cols]).abs().max().item()}
+    # bf16 logits: the loss in fp32 (as Hugging Face upcasts), the gradient back in bf16
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, vocab).bfloat16()
+    labels = torch.randint(0, vocab, (3, 7))
+    whole = logits.clone().requires_grad_(True)
+    ref = _reference(whole.float(), labels, True)
+    ref.backward()
+    local = logits[..., cols].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(local, labels, None)
+    loss.backward()
+    out["bf16"] = {"loss_error": abs(loss.item() - ref.item()), "loss": loss.item(), "grad_dtype": str(local.grad.dtype),
+                   "grad_error": (local.grad.float() - whole.grad[..., cols].float()).abs().max().item()}
     return out
 
 
