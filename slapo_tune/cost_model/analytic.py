@@ -1685,7 +1685,7 @@ def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: 
 
 # what the time terms read of a point
 TIME_KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
-              "attn", "fuse")
+              "attn", "fuse", "loss_parallel")
 
 
 def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
@@ -1790,6 +1790,11 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
     gather = _ring(act_bytes, tp, hw, "all_gather")
     tp_comm = choose(sp, slots * per_stage * (6 * gather + 4 * scatter), slots * per_stage * 4 * _ring(act_bytes, tp, hw))
+    # the last stage's LM head all-gathers each micro-batch's logits over the vocabulary; under
+    # loss_parallel they stay sharded and the loss all-reduces three numbers per token instead
+    sharded_loss = (tp > 1) & (point["loss_parallel"] == "on")
+    tp_comm = tp_comm + m * choose(sharded_loss, 3 * _ring(tokens * 4, tp, hw),
+                                   _ring(tokens * layout.vocab * B, tp, hw, "all_gather"))
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
     # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks
     # apart: across nodes once that fills one. On a GPU the steady state's sends run beside compute;
