@@ -23,6 +23,7 @@ TP_PLAN = {
 
 class BertTemplate(Template):
     name = "bert"
+    causal_lm = False  # masked-LM loss: loss_parallel is not offered
     version = "1"
     families = ("bert",)
     blocks = BLOCKS

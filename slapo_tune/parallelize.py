@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from ._partition import (  # noqa: F401  (re-exported)
 from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
 from ._schedule import Schedule, state_of
 from ._sharding import rule_for
+from ._vocab_loss import LOSS_PARALLEL
 from .errors import ScheduleError
 from .styles import (  # noqa: F401  (re-exported)
     Colwise,
@@ -79,11 +80,17 @@ def _apply_style(node: Schedule, style: Style, sequence_parallel: bool = False) 
         for param in ("weight", "bias"):
             if getattr(node.mod, param, None) is not None and not node.is_sharded(param):
                 node.shard(param, _output_axis(node, param), num_fused=num_fused)
+        head = style.gather_output or style.vocab_parallel_loss
         if style.reduce_input_grad:
             # the LM head (gather_output) runs after the blocks, on the whole sequence
-            _enter_region(node, sequence_parallel and not style.gather_output)
+            _enter_region(node, sequence_parallel and not head)
+        if style.gather_output and style.vocab_parallel_loss:
+            raise ScheduleError(f"'{node.path}': an LM head either gathers its output or keeps it sharded for the "
+                                "vocabulary-parallel loss, not both")
         if style.gather_output:
             node.sync("fwd_post", "all_gather", axis=-1)
+        if style.vocab_parallel_loss:  # the training step's loss reads the marker
+            node.root.mod.__dict__[LOSS_PARALLEL] = node.world_size
     elif isinstance(style, Rowwise):
         node.shard("weight", rule_for(node.mod).in_axis.get("weight", 1))
         if sequence_parallel:  # sum the partial output and keep this rank's tokens; the bias follows
@@ -106,6 +113,21 @@ def _apply_style(node: Schedule, style: Style, sequence_parallel: bool = False) 
         raise ScheduleError(f"'{node.path}': {style.reason}")
     else:
         raise ScheduleError(f"unknown tensor-parallel style {style!r}")
+
+
+def vocab_parallel_head(plan: Mapping[str, Style | Sequence[Style]]) -> dict[str, Style | Sequence[Style]]:
+    """``plan`` with its LM head (the ``Colwise`` style that gathers its output) keeping its output
+    sharded over the vocabulary instead (``loss_parallel=on``); a plan without one is refused."""
+    def head(style):
+        if isinstance(style, Colwise) and style.gather_output:
+            return replace(style, gather_output=False, vocab_parallel_loss=True)
+        return style
+
+    out = {k: [head(s) for s in v] if isinstance(v, Sequence) else head(v) for k, v in plan.items()}
+    if out == dict(plan):
+        raise ScheduleError("loss_parallel: the tensor-parallel plan has no LM head (Colwise(gather_output=True)) "
+                            "whose output could stay sharded over the vocabulary")
+    return out
 
 
 def apply_tensor_parallel(sch: Schedule, plan: Mapping[str, Style | Sequence[Style]], *,

@@ -39,17 +39,17 @@ def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:
 # The knobs every template offers, in the order templates apply them, with the short names shown
 # where space is tight (Ray actor names, plots). A template's own knobs follow them.
 KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
-         "attn", "fuse")
+         "loss_parallel", "attn", "fuse")
 # the schedule users start from without a tuner (Slapo's baselines, what DeepSpeed/Megatron users
 # run): pure data parallelism, full activation checkpointing, micro-batch 1; other knobs at their first legal value
 OUT_OF_THE_BOX = {"tp": 1, "pp": 1, "ckpt_ratio": 1.0, "micro_batch": 1}
 # where a knob does nothing its space offers one value (template.space): shown as "-" there
 IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 1), "sp": ("tp", 1),
-              "ckpt_policy": ("ckpt_ratio", 0.0)}
+              "loss_parallel": ("tp", 1), "ckpt_policy": ("ckpt_ratio", 0.0)}
 SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "ckpt_policy": "ckpt_by", "pipeline_schedule": "sched"}
 # Knobs added after schedules were first written: a point without them (an older schedule file, a
 # recorded grid) means what it always meant.
-KNOB_DEFAULTS = {"sp": "off", "ckpt_policy": "full", "vpp": 1}
+KNOB_DEFAULTS = {"sp": "off", "loss_parallel": "off", "ckpt_policy": "full", "vpp": 1}
 
 
 def knob_value(point: Mapping[str, Any], name: str) -> Any:
@@ -83,6 +83,7 @@ class Plan(Mapping[str, Any]):
     tp: int
     pp: int
     sp: str  # sequence parallelism over the tensor-parallel group: "off" or "on"
+    loss_parallel: str  # the LM head's logits stay sharded over the vocabulary, loss across the tp group
     dp: int
     zero: int
     micro_batch: int

@@ -139,8 +139,23 @@ def default_optimizer(params, lr: float = 1e-4) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def default_loss_fn(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The model's own Hugging Face loss (shifted for causal LMs), applied to logits."""
+def default_loss_fn(model: torch.nn.Module, tp_group=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's own Hugging Face loss (shifted for causal LMs), applied to logits; for a model
+    whose LM head keeps its logits sharded over the vocabulary (``loss_parallel``), the same loss
+    computed across the tensor-parallel ``tp_group`` (:func:`~slapo_tune._vocab_loss.vocab_parallel_cross_entropy`)."""
+    from ._vocab_loss import loss_parallel, vocab_parallel_cross_entropy
+
+    if loss_parallel(model):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if getattr(model.loss_function, "__name__", "") != ForCausalLMLoss.__name__:
+            raise ScheduleError(f"loss_parallel: {type(model).__name__}'s loss is not the causal-LM cross-entropy "
+                                "the vocabulary-parallel loss replaces")
+
+        def sharded_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(logits, labels, tp_group, shift=True)
+
+        return sharded_loss
     vocab = model.config.vocab_size
     hf_loss = model.loss_function
 
@@ -199,7 +214,7 @@ class TrainStep:
         self.precision = precision_named(precision)
         if self.precision.master and getattr(model, "master", None) is None and not model.zero:
             raise ScheduleError(f"precision {precision} needs the model built with it: build(..., precision=...)")
-        self.loss_fn = loss_fn or default_loss_fn(model.model)
+        self.loss_fn = loss_fn or default_loss_fn(model.model, topo.tp_group)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
         self._shape = None
@@ -220,7 +235,11 @@ class TrainStep:
         hidden_seq = seq // self.model.chunks[0].sequence_shards
         hidden = torch.empty(batch, hidden_seq, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        logits = torch.empty(batch, seq, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+        from ._vocab_loss import loss_parallel
+
+        # under loss_parallel the last stage's logits are its slice of the vocabulary
+        vocab = config.vocab_size // (self.topology.tp if loss_parallel(self.model) else 1)
+        logits = torch.empty(batch, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
         stages = [PipelineStage(chunk, chunk.info.index, chunk.info.num_stages, self.device,
                                 input_args=(ids if chunk.info.is_first else hidden,),
                                 output_args=(logits if chunk.info.is_last else hidden,),

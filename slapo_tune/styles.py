@@ -14,11 +14,14 @@ class Colwise:
     """Shard the output features (weight and bias). The input gradient is partial, so it is
     all-reduced in backward; set ``reduce_input_grad=False`` when a parent reduces it once for
     several projections of the same input (Q, K and V). ``gather_output`` all-gathers the
-    partitioned output (an LM head)."""
+    partitioned output (an LM head); ``vocab_parallel_loss`` instead keeps an LM head's output
+    sharded over the vocabulary, for the vocabulary-parallel cross-entropy
+    (:func:`slapo_tune._vocab_loss.vocab_parallel_cross_entropy`, the ``loss_parallel`` knob)."""
 
     num_fused: int = 1
     gather_output: bool = False
     reduce_input_grad: bool = True
+    vocab_parallel_loss: bool = False
 
 
 @dataclass(frozen=True)

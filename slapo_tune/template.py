@@ -5,7 +5,8 @@ the tensor-parallel plan, which sibling layers fuse, which sizes tensor parallel
 this base class owns the knobs every template offers and the order of application:
 
 1. attention kernel (``attn``), 2. fusion (``fuse``; before sharding, so fused layers shard
-block by block), 3. tensor parallelism (``tp``) and sequence parallelism (``sp``), 4. activation
+block by block), 3. tensor parallelism (``tp``), sequence parallelism (``sp``) and the vocabulary-parallel loss
+(``loss_parallel``: the LM head keeps its output sharded), 4. activation
 checkpointing (``ckpt_ratio`` of the blocks, spread uniformly; ``ckpt_policy`` says what they
 recompute), 5. pipeline cuts (``pp * vpp`` stages of equal block counts; rank ``r`` runs stages
 ``r, r + pp, ...``). ``build`` then adds data parallelism (``dp``, ``zero``), and the runtime runs
@@ -100,6 +101,8 @@ class Template:
     # {parent glob: ((sibling linear names), fused name)}: horizontal fusion for ``fuse=on``
     fusion_groups: Mapping[str, tuple[tuple[str, ...], str]] = {}
     source: TemplateSource | None = None  # set by the loader of a template from a user's file
+    # the model's loss is Hugging Face's causal-LM one (shifted labels): ``loss_parallel`` can replace it
+    causal_lm = True
 
     # ---------------------------------------------------------- what differs
     def blocks_path(self, model: nn.Module) -> str:
@@ -171,6 +174,9 @@ class Template:
         def sp_choices(p: Point) -> list[str]:
             return ["off", "on"] if p["tp"] > 1 and workload.seq_len % p["tp"] == 0 else ["off"]
 
+        def loss_parallel_choices(p: Point) -> list[str]:
+            return ["off", "on"] if p["tp"] > 1 and self.causal_lm else ["off"]
+
         def vpp_choices(p: Point) -> list[int]:
             if p["pp"] == 1 or p["pipeline_schedule"] == "gpipe":
                 return [1]
@@ -202,6 +208,9 @@ class Template:
             Knob("vpp", vpp_choices, ("tp", "pp", "micro_batch", "pipeline_schedule"),
                  doc="virtual stages per pipeline rank: interleaved 1F1B when > 1 (pp * vpp divides the layers, "
                      "at least pp micro-batches, a whole number of rounds)"),
+            Knob("loss_parallel", loss_parallel_choices, ("tp",), kind=str,
+                 doc="vocabulary-parallel loss: the LM head's logits stay sharded over the tp group and the "
+                     "cross-entropy is computed across it (needs tp > 1; causal LMs)"),
             Knob("attn", ["sdpa", "eager"] if info.supports_sdpa else ["eager"], kind=str,
                  doc="attention kernel: sdpa (fused) or eager (materialises the scores)"),
             Knob("fuse", ["off", "on"] if self.has_fusion else ["off"], kind=str,
@@ -218,6 +227,7 @@ class Template:
             apply_pipeline_cuts,
             apply_sequence_parallel,
             apply_tensor_parallel,
+            vocab_parallel_head,
         )
 
         model = sch.mod
@@ -226,7 +236,10 @@ class Template:
         if fused:
             self.fuse(sch, model)
         sequence_parallel = knob_value(point, "sp") == "on"
-        apply_tensor_parallel(sch, self.plan(model, fused=fused), sequence_parallel=sequence_parallel)
+        plan = self.plan(model, fused=fused)
+        if knob_value(point, "loss_parallel") == "on" and sch.world_size > 1:
+            plan = vocab_parallel_head(plan)
+        apply_tensor_parallel(sch, plan, sequence_parallel=sequence_parallel)
         blocks = self.block_nodes(sch)
         if sequence_parallel:
             apply_sequence_parallel(blocks)

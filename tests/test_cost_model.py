@@ -10,7 +10,7 @@ import pytest
 from slapo_tune.cli import main
 from slapo_tune.cost_model import CostModel, hardware
 from slapo_tune.cost_model.analytic import memory_terms
-from slapo_tune.cost_model.calibration import MIN_UNCERTAINTY
+from slapo_tune.cost_model.calibration import CALIBRATION_VERSION, MIN_UNCERTAINTY
 from slapo_tune.cost_model.hardware import Hardware
 from slapo_tune.cost_model.measure import measure_points_rank
 from slapo_tune.launch import launch
@@ -384,7 +384,7 @@ def test_calibration_improves_held_out_points_and_is_cached(tmp_path, monkeypatc
         (before, after, calibration.uncertainty)
     again = CostModel(spec.resolve(), CPU)  # picks the cached calibration up
     assert again.calibration.weights == pytest.approx(calibration.weights)
-    assert list(tmp_path.glob("calibration-v2-test-cpu-gpt2-fp32.json"))
+    assert list(tmp_path.glob(f"calibration-v{CALIBRATION_VERSION}-test-cpu-gpt2-fp32.json"))
 
 
 def test_verdict_prunes_only_beyond_the_uncertainty():

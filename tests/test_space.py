@@ -69,7 +69,7 @@ def test_text_and_json_forms_are_stable():
     point = space.complete({"tp": 2, "ckpt_ratio": 0.5})
     text = format_point(point)
     assert text == ("tp=2,pp=1,sp=off,dp=1,zero=0,micro_batch=1,ckpt_ratio=0.5,ckpt_policy=full,"
-                    "pipeline_schedule=1f1b,vpp=1,attn=sdpa,fuse=off")
+                    "pipeline_schedule=1f1b,vpp=1,loss_parallel=off,attn=sdpa,fuse=off")
     assert json.loads(point_json(point)) == point and list(json.loads(point_json(point))) == space.names
     again = space.complete(coerce(space, parse_knobs(text)))
     assert again == point

@@ -63,7 +63,10 @@ MEMORY_TERMS = (
     "backward_temp",  # a block's backward temporaries: MLP-wide gradients
     "score_grads",  # an attention backward's gradients of materialised scores (eager, SDPA's math fallback)
     "logits",  # per micro-batch in flight (last stage): the loss's fp32 log-softmax, a pipeline stage's output
-    "logits_grad",  # the loss's backward: two fp32 logits-sized gradients (log-softmax's and its input's)
+    # (loss_parallel: the vocab / tp slice of each)
+    "logits_grad",  # the loss's backward: two fp32 logits-sized gradients (log-softmax's and its input's;
+    # loss_parallel: made in place of the softmax; one compute-dtype slice, the head's output or the cast,
+    # and the head's backward beside it)
     "pp_recv",  # pipeline receive buffers in flight: activations (stages after the first), gradients (before the last)
     "pp_sends",  # interleaved pipelines: what a rank has sent (chunk outputs, input gradients), alive until the step ends
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
@@ -911,6 +914,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                    for k in ("weights", "master", "optimizer")}
     per_stage = layout.layers // pp
     tokens = b * s
+    # the logits' vocabulary is sharded over the tp group under loss_parallel (a point without it: off)
+    vocab_shards = _pick((tp > 1) & (knob_value(point, "loss_parallel") == "on"), tp, 1)
     if linear:
         acts = UNIT_ACTIVATIONS
     elif acts is None:
@@ -1082,9 +1087,19 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # log-softmax for backward (fp32 at every precision; the logits themselves are freed), and a
         # pipeline stage keeps its output (the logits, in the compute dtype) until its backward ends.
         # The loss's backward makes two fp32 gradients of that size beside the log-softmax
-        loss_1 = tokens * layout.vocab * LOSS_BYTES if last else 0.0
-        out_1 = tokens * layout.vocab * B if last and pipelined else 0.0
+        # Under loss_parallel the head's logits stay sharded (vocab / tp) and the vocabulary-parallel
+        # loss keeps one fp32 softmax of that slice, its backward turning it into the gradient in
+        # place: beside it, the head's output while the loss runs, then the gradient's cast to the
+        # compute dtype (one compute-dtype slice either way: "logits_grad")
+        loss_1 = tokens * layout.vocab / vocab_shards * LOSS_BYTES if last else 0.0
+        out_1 = tokens * layout.vocab / vocab_shards * B if last and pipelined else 0.0
         logits_1 = loss_1 + out_1
+        # The head's backward then runs beside that gradient: its input's gradient (the whole
+        # sequence) and the all-reduced copy of it, and its weight's gradient. Without loss_parallel
+        # this moment stays below the two full-width gradients before it.
+        head_backward = 2 * tokens * layout.hidden * B + head_matrix * Pb
+        grad_1 = _pick(vocab_shards > 1, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
+                       2 * loss_1)
         events = {
             # the most micro-batches in flight, before this step's first backward: no gradients yet
             "forward": {**cache, **{k: v * fresh for k, v in per_mb.items()}, "logits": logits_1 * logits_fresh,
@@ -1136,7 +1151,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             # the loss of a micro-batch: its logits' gradients beside the logits
             sends = {"pp_sends": steady_sends} if accumulated and interleaved and accumulating else {}
             events["loss" + suffix] = {**cache, **alive, **acts, "logits": logits_1 * logits_flight,
-                                       "logits_grad": 2 * loss_1, **gathered(per_stage, accumulated), **sends}
+                                       "logits_grad": grad_1, **gathered(per_stage, accumulated), **sends}
             # the stage's backward starts: every activation alive, the block's gradient temporaries
             events["backward_start" + suffix] = {
                 **cache, **acts, "logits": logits, "backward_temp": temp_1,
@@ -1238,7 +1253,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                 waiting = _min(_each(interleaved_warmup, pp, vpp, m, stage), m * vpp - 1)
                 events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent - hidden_1 * waiting,
                                        **{k: v * waiting / vpp for k, v in per_mb.items()},
-                                       "logits": logits_1, "logits_grad": 2 * loss_1}
+                                       "logits": logits_1, "logits_grad": grad_1}
         if not sharded:
             # replicated data parallelism averages the fp32 gradients through flat buckets (a bucket
             # holds 32 MiB of gradients, or one larger gradient)
@@ -1672,7 +1687,7 @@ def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: 
 
 # what the time terms read of a point
 TIME_KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
-              "attn", "fuse")
+              "attn", "fuse", "loss_parallel")
 
 
 def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
@@ -1777,6 +1792,11 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
     gather = _ring(act_bytes, tp, hw, "all_gather")
     tp_comm = choose(sp, slots * per_stage * (6 * gather + 4 * scatter), slots * per_stage * 4 * _ring(act_bytes, tp, hw))
+    # the last stage's LM head all-gathers each micro-batch's logits over the vocabulary; under
+    # loss_parallel they stay sharded and the loss all-reduces three numbers per token instead
+    sharded_loss = (tp > 1) & (point["loss_parallel"] == "on")
+    tp_comm = tp_comm + m * choose(sharded_loss, 3 * _ring(tokens * 4, tp, hw),
+                                   _ring(tokens * layout.vocab * B, tp, hw, "all_gather"))
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
     # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks
     # apart: across nodes once that fills one. On a GPU the steady state's sends run beside compute;

@@ -124,8 +124,10 @@ def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, 
 
 # Bump when the analytic terms change meaning: calibrations cached before are then not loaded.
 # Version 2: terms per precision (not dtype: "bf16" used to mean autocast, now bf16 parameters with
-# fp32 masters) and per ZeRO level 0-3.
-CALIBRATION_VERSION = 2
+# fp32 masters) and per ZeRO level 0-3. Version 3: pp_recv counts the receive buffers in flight
+# (not one per micro-batch), logits and logits_grad follow loss_parallel, and tp_comm holds the LM
+# head's all-gather of the logits.
+CALIBRATION_VERSION = 3
 
 
 def _cache_path(device: str, family: str, precision: str) -> Path:
