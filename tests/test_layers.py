@@ -18,7 +18,8 @@ PACKAGES = ("slapo_tune", "search_spaces", "runners")
 # with an entry equal to its name or a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedule language and runtime", (
-        "slapo_tune._atomic", "slapo_tune._inputs", "slapo_tune._owned", "slapo_tune.errors", "slapo_tune._comm",
+        "slapo_tune._atomic", "slapo_tune._inputs", "slapo_tune._owned", "slapo_tune._vocab_loss", "slapo_tune.errors",
+        "slapo_tune._comm",
         "slapo_tune._sharding",
         "slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._pipeline", "slapo_tune._build",
         "slapo_tune._data_parallel", "slapo_tune._verify", "slapo_tune.parallelize", "slapo_tune.topology",
