@@ -15,6 +15,7 @@ from slapo_tune.cli import main
 from slapo_tune.cli._common import device_of, hardware_of, problem_spec
 from slapo_tune.cli.plan import CLUSTER_HARDWARE, add_arguments
 from slapo_tune.cost_model import CostModel
+from slapo_tune.cost_model.analytic import rank_blocks
 from slapo_tune.cost_model.cards import preset_card
 from slapo_tune.precision import default_precision
 from slapo_tune.space import format_point
@@ -56,7 +57,9 @@ def _reference(budget: int, top: int, *case) -> dict:
         row = {"point": point.knobs(), "peak": mem.peak, "upper": mem.upper, "stage": mem.worst_stage,
                "breakdown": mem.breakdown, "step_s": timing.step if timing else None,
                "throughput": timing.throughput(model.workload) if timing else None, "fits": verdict.fits,
-               "reason": verdict.reason}
+               "reason": verdict.reason,
+               "stage_blocks": [len(rank_blocks(model.layout.layers, point["pp"], r, point["vpp"] if point["pp"] > 1 else 1))
+                                for r in range(point["pp"])]}
         (rows if verdict.fits else pruned).append(row)
     rows.sort(key=lambda r: (r["peak"] > budget, -r["throughput"]))
     return {"points": len(evaluated), "feasible": len(rows), "pruned": len(pruned), "top": rows[:top],
