@@ -87,3 +87,10 @@ def rank_block_count(num_layers: int, pp: int, rank: int, vpp: int = 1) -> int:
     stages (:func:`stage_block_counts`) and rank ``r`` holds stages ``r, r + pp, ...``."""
     counts = stage_block_counts(num_layers, pp * vpp)
     return sum(counts[rank::pp])
+
+
+def rank_block_counts(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """:func:`rank_block_count` of every pipeline rank, first rank first (``[num_layers]``
+    without a pipeline): what ``plan`` prints and the schedule file records."""
+    vpp = vpp if pp > 1 else 1
+    return [rank_block_count(num_layers, pp, r, vpp) for r in range(pp)]

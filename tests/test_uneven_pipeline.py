@@ -146,3 +146,24 @@ def test_plan_accepts_126_blocks_at_pp16_and_shows_the_stage_counts(tmp_path, ca
     assert main([*argv, "--json"]) == 0
     top = json.loads(capsys.readouterr().out)["top"][0]
     assert top["stage_blocks"] == [7] + [8] * 14 + [7] and top["point"]["pp"] == 16
+
+
+def test_the_schedule_file_records_the_stage_counts_and_loading_checks_them():
+    """A schedule of gpt2-tiny at pp=3 (world 3) loads; its layout records 1, 2, 1 blocks, and a
+    file whose counts are not the cuts this version makes is refused in one line."""
+    from slapo_tune import UsageError
+    from slapo_tune._partition import rank_block_counts
+    from slapo_tune.apply import load_schedule
+    from slapo_tune.models import config_fingerprint
+    from slapo_tune.schedule_file import make_schedule
+
+    problem = ProblemSpec("gpt2-tiny", 3, global_batch=6, seq_len=16).resolve()
+    plan = problem.plan("pp=3,pipeline_schedule=1f1b")
+    schedule = make_schedule(template=problem.template.record(), plan=plan, world_size=3, global_batch=6, seq_len=16,
+                             precision="fp32", device="cpu", stage_blocks=rank_block_counts(4, plan.pp),
+                             model={"name": "gpt2-tiny", "fingerprint": config_fingerprint(problem.config)})
+    assert schedule["layout"]["stage_blocks"] == [1, 2, 1]
+    assert load_schedule(schedule).plan["pp"] == 3
+    schedule["layout"]["stage_blocks"] = [2, 1, 1]  # earlier stages took the remainder
+    with pytest.raises(UsageError, match=r"stages hold \[2, 1, 1\] blocks but this slapo-tune cuts \[1, 2, 1\]"):
+        load_schedule(schedule)

@@ -124,12 +124,10 @@ def _row(model, point, budget: int) -> dict:
 
 def _stage_blocks(layers: int, point) -> list[int]:
     """The blocks each pipeline rank holds (one number without a pipeline)."""
-    from .._partition import rank_block_count
+    from .._partition import rank_block_counts
     from ..plan import knob_value
 
-    pp = point["pp"]
-    vpp = knob_value(point, "vpp") if pp > 1 else 1
-    return [rank_block_count(layers, pp, r, vpp) for r in range(pp)]
+    return rank_block_counts(layers, point["pp"], knob_value(point, "vpp"))
 
 
 def _runs(counts: list[int]) -> str:
