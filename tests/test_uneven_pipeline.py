@@ -167,3 +167,12 @@ def test_the_schedule_file_records_the_stage_counts_and_loading_checks_them():
     schedule["layout"]["stage_blocks"] = [2, 1, 1]  # earlier stages took the remainder
     with pytest.raises(UsageError, match=r"stages hold \[2, 1, 1\] blocks but this slapo-tune cuts \[1, 2, 1\]"):
         load_schedule(schedule)
+
+
+def test_verify_cli_names_each_stages_block_count(capsys):
+    assert main(["verify", "--model", "gpt2-tiny", "--world-size", "3", "--knobs", "pp=3", "--global-batch", "6",
+                 "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    for line in ("rank 0 (stage 0, 1 block): loss", "rank 1 (stage 1, 2 blocks): loss", "rank 2 (stage 2, 1 block): loss"):
+        assert line in out, out
+    assert out.endswith("verify: OK\n")
