@@ -9,6 +9,7 @@ so that planning never imports torch.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from .errors import ScheduleError
@@ -44,14 +45,52 @@ def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform")
 GRADIENT_BUCKET_BYTES = 32 * 2**20
 
 
-def stage_boundaries(num_layers: int, pp: int) -> list[int]:
-    """Indices of the blocks after which to cut ``pp`` stages of (nearly) equal block counts
-    (earlier stages take the remainder)."""
+def stage_block_counts(num_layers: int, pp: int) -> list[int]:
+    """How many of ``num_layers`` blocks each of ``pp`` stages holds, first stage first.
+
+    As even as possible (counts differ by at most one); when ``pp`` does not divide the blocks,
+    the ``k = pp - num_layers % pp`` stages with the fewer blocks are the ends of the pipeline, the
+    stages that also hold the embedding and the head (as Megatron-LM's first/last-stage layer
+    counts): the first ``ceil(k / 2)`` and the last ``floor(k / 2)``. 126 blocks at pp=16: 7, then
+    fourteen 8s, then 7; 4 at pp=3: 1, 2, 1; 6 at pp=4: 1, 2, 2, 1.
+    """
     if pp < 1 or pp > num_layers:
         raise ScheduleError(f"cannot cut {num_layers} blocks into {pp} pipeline stages")
     base, extra = divmod(num_layers, pp)
+    if extra == 0:
+        return [base] * pp
+    small = pp - extra
+    head, tail = (small + 1) // 2, small // 2
+    return [base] * head + [base + 1] * extra + [base] * tail
+
+
+def stage_boundaries(num_layers: int, pp: int) -> list[int]:
+    """Indices of the blocks after which to cut ``pp`` stages of the sizes
+    :func:`stage_block_counts` gives (the first and last stages the fewer when uneven)."""
     cuts, end = [], 0
-    for s in range(pp - 1):
-        end += base + (1 if s < extra else 0)
+    for count in stage_block_counts(num_layers, pp)[:-1]:
+        end += count
         cuts.append(end - 1)
     return cuts
+
+
+def stage_block_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """The blocks ``[start, stop)`` that stage ``stage`` of ``pp`` holds."""
+    counts = stage_block_counts(num_layers, pp)
+    start = sum(counts[:stage])
+    return start, start + counts[stage]
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_block_count(num_layers: int, pp: int, rank: int, vpp: int = 1) -> int:
+    """How many blocks pipeline ``rank`` holds when ``num_layers`` blocks are cut into ``pp * vpp``
+    stages (:func:`stage_block_counts`) and rank ``r`` holds stages ``r, r + pp, ...``."""
+    counts = stage_block_counts(num_layers, pp * vpp)
+    return sum(counts[rank::pp])
+
+
+def rank_block_counts(num_layers: int, pp: int, vpp: int = 1) -> list[int]:
+    """:func:`rank_block_count` of every pipeline rank, first rank first (``[num_layers]``
+    without a pipeline): what ``plan`` prints and the schedule file records."""
+    vpp = vpp if pp > 1 else 1
+    return [rank_block_count(num_layers, pp, r, vpp) for r in range(pp)]

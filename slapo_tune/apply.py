@@ -18,7 +18,7 @@ from torch import nn
 
 from .errors import UsageError
 from .models import ModelSpec
-from .plan import Plan, Workload
+from .plan import Plan, Workload, knob_value
 from .problem import Problem, ProblemSpec
 from .schedule_file import read_schedule, validate
 from .session import Session
@@ -133,6 +133,14 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
         if data[name] != getattr(plan, name):
             raise UsageError(f"{where}: {name}={data[name]} does not follow from the knobs (expected "
                              f"{getattr(plan, name)})")
+    recorded_blocks = data["layout"].get("stage_blocks")
+    if recorded_blocks is not None:  # files from before uneven stages: none (their even cuts are unchanged)
+        from ._partition import rank_block_counts
+
+        cut = rank_block_counts(problem.info.layers, plan.pp, knob_value(plan, "vpp"))
+        if recorded_blocks != cut:
+            raise UsageError(f"{where}: the schedule's pipeline stages hold {recorded_blocks} blocks but this "
+                             f"slapo-tune cuts {cut}; re-tune, or verify the schedule with this version")
     return LoadedSchedule(data, problem, plan, where, overridden)
 
 

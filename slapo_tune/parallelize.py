@@ -24,6 +24,7 @@ from . import _comm
 from ._partition import (  # noqa: F401  (re-exported)
     checkpointed_indices,
     interleaved_microbatches_ok,
+    stage_block_counts,
     stage_boundaries,
 )
 from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
@@ -330,7 +331,8 @@ def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, spread: str = 
 
 
 def apply_pipeline_cuts(blocks: Sequence[Schedule], pp: int) -> list[int]:
-    """Cut the repeated ``blocks`` into ``pp`` stages of (nearly) equal size; returns the cut indices."""
+    """Cut the repeated ``blocks`` into ``pp`` stages of equal size, or differing by one block with
+    the first and last stages the smaller (:func:`stage_block_counts`); returns the cut indices."""
     cuts = stage_boundaries(len(blocks), pp)
     for i in cuts:
         blocks[i].cut_pipeline_stage()

@@ -134,7 +134,7 @@ class ProblemSpec:
             raise UsageError(
                 f"no legal schedule for {self.model} on {spec.world_size} ranks with global batch {spec.global_batch}: "
                 f"tp must divide {info.heads} heads, {info.kv_heads} KV heads, vocab {info.vocab} and MLP width "
-                f"{info.intermediate}; pp must divide {info.layers} layers; the global batch must divide by dp")
+                f"{info.intermediate}; pp must be at most {info.layers} layers; the global batch must divide by dp")
         return Problem(spec, config, template, info, workload, space)
 
 

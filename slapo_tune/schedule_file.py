@@ -85,12 +85,17 @@ def _installed_versions() -> dict[str, str]:
 def make_schedule(*, template: Mapping[str, str], plan: Plan, world_size: int, global_batch: int,
                   seq_len: int, precision: str, model: Mapping[str, Any], device: str,
                   measured: Mapping[str, Any] | None = None, predicted: Mapping[str, Any] | None = None,
-                  study: str = "") -> dict[str, Any]:
-    """The schedule file of ``plan`` (its knobs, layout and batch sizes come from the plan only)."""
+                  study: str = "", stage_blocks: list[int] | None = None) -> dict[str, Any]:
+    """The schedule file of ``plan`` (its knobs, layout and batch sizes come from the plan only;
+    ``stage_blocks``: the blocks each pipeline rank holds, recorded in the layout, which loading
+    checks against the cuts this version makes)."""
+    layout = {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero": plan.zero}
+    if stage_blocks is not None:
+        layout["stage_blocks"] = list(stage_blocks)
     return {
         "format": FORMAT, "version": VERSION, "template": dict(template), "knobs": plan.knobs(),
         "world_size": world_size,
-        "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "zero": plan.zero},
+        "layout": layout,
         "global_batch": global_batch, "micro_batch": plan.micro_batch, "accumulation": plan.accumulation,
         "seq_len": seq_len, "precision": precision, "model": dict(model), "device": device,
         "versions": library_versions(), "measured": dict(measured or {}), "predicted": dict(predicted or {}),

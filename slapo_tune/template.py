@@ -153,7 +153,9 @@ class Template:
             return [t for t in divisors(world) if all(d % t == 0 for d in self.tp_divides(info))]
 
         def pp_choices(p: Point) -> list[int]:
-            return [s for s in divisors(world // p["tp"]) if info.layers % s == 0]
+            # any degree up to the number of blocks: an uneven split gives the first and last
+            # stages (embedding, head) the fewer blocks (see stage_block_counts)
+            return [s for s in divisors(world // p["tp"]) if s <= info.layers]
 
         def micro_batch_choices(p: Point) -> list[int]:
             return divisors(gb // p["dp"]) if gb % p["dp"] == 0 else []
@@ -181,13 +183,16 @@ class Template:
             if p["pp"] == 1 or p["pipeline_schedule"] == "gpipe":
                 return [1]
             n = accumulation(workload, p["dp"], p["micro_batch"])
-            interleaved = [v for v in divisors(info.layers // p["pp"])[1:] if interleaved_microbatches_ok(n, p["pp"])]
+            # interleaving needs equal chunks: pp * vpp divides the blocks (so never under an uneven pp)
+            chunks = info.layers // p["pp"] if info.layers % p["pp"] == 0 else 1
+            interleaved = [v for v in divisors(chunks)[1:] if interleaved_microbatches_ok(n, p["pp"])]
             return interleaved if p["pipeline_schedule"] == "zb" else [1, *interleaved]
 
         knobs = [
             Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)",
                  limited_by=info.tp_refusal),
-            Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides the layers and world/tp)"),
+            Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides world/tp, at most the layers; an uneven split gives the "
+                     "first and last stages the fewer blocks)"),
             Knob("sp", sp_choices, ("tp",), kind=str,
                  doc="sequence parallelism: norms, dropout and residuals on a sequence shard of the tp group "
                      "(needs tp > 1 dividing the sequence length)"),

@@ -201,7 +201,8 @@ def test_tune_killed_and_resumed_end_to_end(tmp_path, ray_tmp):
 @pytest.mark.parametrize("extra,message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--space", "no-such-space"], "unknown space/template 'no-such-space'"),
-    (["--world-size", "3", "--global-batch", "8"], "no legal schedule for gpt2-tiny on 3 ranks"),
+    # (3 ranks are legal since uneven stages: pp=3 cuts 1, 2, 1 blocks; 5 exceed the 4 blocks)
+    (["--world-size", "5", "--global-batch", "8"], "no legal schedule for gpt2-tiny on 5 ranks"),
     (["--ray-address", "127.0.0.1:1"], "cannot reach the Ray cluster at 127.0.0.1:1"),
     (["--storage", "nosuchdb://user:hunter2@host/db"], "cannot open storage nosuchdb://user:***@host/db"),
     (["--storage", "not-a-url"], "unreadable storage URL 'not-a-url'"),

@@ -119,7 +119,21 @@ def _row(model, point, budget: int) -> dict:
     return {"point": point.knobs(), "peak": mem.peak, "upper": mem.upper, "stage": mem.worst_stage,
             "breakdown": mem.breakdown, "step_s": timing.step if timing else None,
             "throughput": timing.throughput(model.workload) if timing else None, "fits": verdict.fits,
-            "reason": verdict.reason}
+            "reason": verdict.reason, "stage_blocks": _stage_blocks(model.layout.layers, point)}
+
+
+def _stage_blocks(layers: int, point) -> list[int]:
+    """The blocks each pipeline rank holds (one number without a pipeline)."""
+    from .._partition import rank_block_counts
+    from ..plan import knob_value
+
+    return rank_block_counts(layers, point["pp"], knob_value(point, "vpp"))
+
+
+def _runs(counts: list[int]) -> str:
+    """``7, 8 x14, 7``: equal neighbours as one count with its repetitions."""
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(counts)]
+    return ", ".join(f"{k} x{n}" if n > 1 else f"{k}" for k, n in runs)
 
 
 # what CostModel.layout_floor reads of a point
@@ -355,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
         parts = ", ".join(f"{k} {format_size(v)}" for k, v in r["breakdown"].items() if v >= 2**20)
         print(f"{i:>3}. {format_point(r['point'])}")
         maybe = "; above the budget, may fit: check it" if r["peak"] > budget else ""
+        if len(r["stage_blocks"]) > 1:
+            print(f"     blocks per stage: {_runs(r['stage_blocks'])}")
         print(f"     peak {format_size(r['peak'])} (stage {r['stage']}; up to {format_size(r['upper'])}{maybe}) = {parts}")
         if "exact_peak" in r:
             verdict = "fits" if r["exact_peak"] <= budget else "does NOT fit"

@@ -28,8 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._partition import rank_block_counts
     from ..checks import verify_point
     from ..launch import launch
+    from ..plan import knob_value
     from . import EXIT_FAILED, EXIT_OK
 
     setup = device_of(args.device)
@@ -41,12 +43,18 @@ def run(args: argparse.Namespace) -> int:
     results = launch(verify_point, args.world_size, args=(problem.spec, plan.knobs(), args.seed),
                      timeout=args.timeout, backend=setup.backend)
     ok = all(r["ok"] for r in results)
+    blocks = rank_block_counts(problem.info.layers, plan["pp"], knob_value(plan, "vpp"))
+
+    def where(r) -> str:  # a pipeline's stage and the blocks it holds (the ends the fewer when uneven)
+        n = blocks[r["stage"]]
+        return f"stage {r['stage']}, {n} block{'s' if n != 1 else ''}" if plan["pp"] > 1 else f"stage {r['stage']}"
+
     for r in results:
         if r["ok"]:
-            print(f"  rank {r['rank']} (stage {r['stage']}): loss {r['loss']:.6f} vs {r['reference_loss']:.6f} "
+            print(f"  rank {r['rank']} ({where(r)}): loss {r['loss']:.6f} vs {r['reference_loss']:.6f} "
                   f"(relative error {r['loss_error']:.2e}); {r['params']} gradients, max relative error "
                   f"{r['max_grad_error']:.2e}")
         else:
-            print(f"  rank {r['rank']} (stage {r['stage']}):\n" + "\n".join("    " + line for line in r["report"].splitlines()))
+            print(f"  rank {r['rank']} ({where(r)}):\n" + "\n".join("    " + line for line in r["report"].splitlines()))
     print("verify: OK" if ok else "verify: FAILED")
     return EXIT_OK if ok else EXIT_FAILED

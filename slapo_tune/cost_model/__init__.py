@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._partition import rank_block_count
 from ..plan import knob_value
 from ..problem import Problem
 from ..units import format_size
@@ -375,9 +376,9 @@ class CostModel:
         schedule = np.array([p["pipeline_schedule"] for p in points])
         least = np.array([self._least_kept(v, w) for v in variants]).reshape(-1, 2)
         plain, kept = least[:, 0], least[:, 1]
-        per_stage = layout.layers // pp
         floor = np.zeros(len(points))
         for stages in (np.zeros_like(pp), pp - 1):  # the first stage, the last
+            per_stage = _each(rank_block_count, layout.layers, pp, stages, vpp)
             states, gradients = self._stage_floors(points, stages.tolist(), w).T
             ckpt = _each(checkpointed_in_flight, ratio, layout.layers, pp, stages, vpp, m).astype(float)
             block = (per_stage - ckpt) * plain + ckpt * kept

@@ -35,6 +35,7 @@ import numpy as np
 
 from .._atomic import atomic_write_text
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
+from .._partition import rank_block_count
 from ..plan import Workload, accumulation, knob_value
 from ..template import Template
 from .hardware import Hardware, _cache_dir, choose, larger
@@ -702,9 +703,11 @@ def interleaved_chunks_in_flight(pp: int, vpp: int, m: int, rank: int) -> tuple[
 
 def rank_blocks(total_layers: int, pp: int, rank: int, vpp: int = 1) -> list[int]:
     """The blocks pipeline ``rank`` runs, in its local order: the model is cut into ``pp * vpp``
-    stages of equal size and rank ``r`` holds stages ``r, r + pp, ...``."""
-    chunk = total_layers // (pp * vpp)
-    return [(rank + k * pp) * chunk + j for k in range(vpp) for j in range(chunk)]
+    stages (:func:`~slapo_tune._partition.stage_block_counts`: equal, or the first and last the
+    fewer) and rank ``r`` holds stages ``r, r + pp, ...``."""
+    from .._partition import stage_block_range
+
+    return [i for k in range(vpp) for i in range(*stage_block_range(total_layers, pp * vpp, rank + k * pp))]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -912,7 +915,6 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     gloo = backend == "gloo"
     state_bytes = {k: _each(lambda d, k=k: model_state_bytes(workload.precision, level, d)[k], dp)
                    for k in ("weights", "master", "optimizer")}
-    per_stage = layout.layers // pp
     tokens = b * s
     # the logits' vocabulary is sharded over the tp group under loss_parallel (a point without it: off)
     vocab_shards = _pick((tp > 1) & (knob_value(point, "loss_parallel") == "on"), tp, 1)
@@ -946,6 +948,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
 
     def stage_terms(stage: int) -> StageTerms:
         first, last = _same(stage == 0), _same(stage == pp - 1)
+        # the blocks this rank holds (an uneven split gives the first and last stages the fewer)
+        per_stage = _each(rank_block_count, layout.layers, pp, stage, vpp)
         # the first stage's backward ends in its embedding's, which makes a dense gradient of the
         # whole table (a tied one sums it with the head's, held since the head's backward: three
         # at once), beside every other gradient made
@@ -1298,7 +1302,8 @@ def _dominant_stages(layers: int, pp: int, ratio: float, vpp: int) -> tuple[int,
     chosen, seen = [0], set()
     for stage in range(1, pp - 1):
         # interleaved, too: a later rank's warm-up holds a prefix of an earlier one's chunk forwards
-        positions = _stage_ckpt_positions(ratio, layers, pp, stage, vpp)
+        # and as many blocks (an uneven split: the middle stages hold one more than the ends)
+        positions = (_stage_ckpt_positions(ratio, layers, pp, stage, vpp), rank_block_count(layers, pp, stage, vpp))
         if positions not in seen:
             seen.add(positions)
             chosen.append(stage)
@@ -1498,7 +1503,7 @@ def _stage_ckpt_summary(ratio: float, total_layers: int, pp: int, stage: int, vp
     local position (-1: none), how many, whether the block before the rank's last is one, and how
     many its first chunk holds."""
     positions = sorted(_stage_ckpt_positions(ratio, total_layers, pp, stage, vpp))
-    top = total_layers // pp - 1
+    top = rank_block_count(total_layers, pp, stage, vpp) - 1
     return (positions[0] if positions else -1, positions[-1] if positions else -1, len(positions),
             top - 1 in positions, checkpointed_per_chunk(ratio, total_layers, pp, stage, vpp)[0])
 
@@ -1732,7 +1737,8 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     selective = point["ckpt_policy"] == "selective"
     vpp = choose(pp > 1, point["vpp"], 1)
     gpu = not hw.cores
-    per_stage = layout.layers // pp
+    # the slowest stage: the most blocks any holds (an uneven split: one more than the ends hold)
+    per_stage = -(-layout.layers // pp)
     if isinstance(pp, np.ndarray):  # few distinct (ratio, pp, vpp) of many points
         ckpt = np.array([checkpointed_count(0, r, layout.layers, n, v) for r, n, v in
                          zip(point["ckpt_ratio"].tolist(), pp.tolist(), vpp.tolist())], dtype=np.int64)

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._atomic import atomic_write
-from ..plan import TrialStatus
+from .._partition import rank_block_counts
+from ..plan import TrialStatus, knob_value
 from ..schedule_file import make_schedule, write_schedule
 from ._confirm import crowned, recorded
 from ._known import trial_status
@@ -149,7 +150,7 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
                "fingerprint": config_fingerprint(problem.config)},
         measured=measured,
         predicted={"peak_memory": predicted.get("peak"), "step_seconds": predicted.get("step_s")},
-        study=study_name,
+        study=study_name, stage_blocks=rank_block_counts(problem.info.layers, plan.pp, knob_value(plan, "vpp")),
     )
 
 
