@@ -316,6 +316,9 @@ def build(
         raise ScheduleError(f"build(): zero must be one of {ZERO_STAGES} (0: replicated; 1, 2, 3: optimizer "
                             f"state, gradients, parameters sharded), got {zero}")
     mode = precision_named(precision)
+    if mode.fp8:
+        raise ScheduleError("build(): precision fp8 is modelled by the plan only: the runtime does not convert "
+                            "linear layers to FP8 (use bf16)")
     validate(sch)
     plan = plan_stages(sch)
     stages = plan.num_stages if plan is not None else 1

@@ -279,7 +279,8 @@ def _edit(path: Path, **changes) -> Path:
     ("model", "was tuned for model 'gpt2-tiny'"),
     ("world", "is for 2 ranks but this job has 4"),
     ("template", "was made with the template os:system, which is Python"),
-    ("precision", "precision 'banana' is not one of fp32, amp-bf16, bf16"),
+    ("precision", "precision 'banana' is not one of fp32, amp-bf16, bf16, fp8"),
+    ("fp8", "--precision fp8: cpu has no FP8 tensor cores"),
     ("init-missing", "no such folder"),
     ("init-empty", "not a Hugging Face checkpoint folder"),
 ])
@@ -302,6 +303,9 @@ def test_bad_schedule_is_one_line_exit_2(tmp_path, capsys, case, message):
         _edit(path, template={"name": "os:system", "version": "1"})
     elif case == "precision":
         _edit(path, precision="banana")
+    elif case == "fp8":  # a valid schedule file the runtime cannot run (here: no FP8 on a CPU)
+        _edit(path, precision="fp8")
+        args += ["--device", "cpu"]
     elif case == "init-missing":
         args += ["--init-from", str(tmp_path / "nope")]
     elif case == "init-empty":

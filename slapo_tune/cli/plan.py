@@ -320,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
     setup = device_of(args.device or ("cpu" if args.hardware == "cpu" else "cuda"), here=False)
     hw, hardware_line = hardware_of(args, setup, fallback=CLUSTER_HARDWARE)
     precision = args.precision or default_precision(setup.kind)
+    if args.mode == "exact" and precision == "fp8":  # before the search, not after it
+        from ..cost_model.exact import FP8_EXACT_REFUSAL
+
+        raise UsageError(FP8_EXACT_REFUSAL)
     # a preset's shipped card spares loading transformers and building the model to measure it
     card = None if args.space else preset_card(args.model)
     config, layout = card or (None, None)

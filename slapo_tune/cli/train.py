@@ -67,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     from ..checkpoint import latest_checkpoint
     from ..data import TrainingData
     from ..launch import RankFailure, launch
+    from ..precision import runnable
     from ..train import checkpoint_files, train_rank
 
     loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size, space=args.space,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if args.space:  # the ranks load the template the user named here: a file by its absolute path
         config = dataclasses.replace(config, space=loaded.problem.spec.template)
     setup = device_of(args.device)
+    runnable(loaded.workload.precision, setup)  # fp8: one line, before any rank starts
     setup.check_world(loaded.world_size)  # one GPU per rank on cuda
     TrainingData(args.data, loaded.problem.config.vocab_size, loaded.workload.global_batch,
                  loaded.workload.seq_len)  # a bad data file fails here, before any rank starts

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..launch import multiprocessing_temp_dir
     from ..models import preset_names
-    from ..precision import default_precision
+    from ..precision import default_precision, runnable
     from ..search import TuneConfig, Tuner
     from ..search._cluster import connect, runtime_env_of
     from ..search._report import no_result_reason
@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"output folder {out} is a file; choose another --out")
     precision = args.precision or default_precision(device)
+    runnable(precision, setup)  # fp8: one line, before anything starts
     problem = problem_spec(args, precision=precision, device=device, memory_budget=budget).resolve().pinned(pins)
     hardware, hardware_line = hardware_of(args, setup)
     if here:

@@ -32,10 +32,12 @@ def run(args: argparse.Namespace) -> int:
     from ..checks import verify_point
     from ..launch import launch
     from ..plan import knob_value
+    from ..precision import runnable
     from . import EXIT_FAILED, EXIT_OK
 
     setup = device_of(args.device)
     setup.check_world(args.world_size)  # one GPU per rank on cuda
+    runnable(args.precision or "fp32", setup)  # fp8: one line, before anything is built
     problem = problem_spec(args, precision=args.precision or "fp32", device=setup.kind).resolve()
     plan = problem.plan(args.knobs or "")
     print(f"verifying {args.model} with template {problem.template.describe()} on {args.world_size} {setup.kind} rank(s), "

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._partition import rank_block_count
+from ..errors import UsageError
 from ..plan import knob_value
+from ..precision import precision as precision_named
 from ..problem import Problem
 from ..units import format_size
 from . import calibration as _calibration
@@ -135,6 +137,9 @@ class CostModel:
         self.template, self.workload = problem.template, problem.workload
         self.layout = layout or _layout(problem)
         self.precision = self.workload.precision
+        if precision_named(self.precision).fp8 and not device.fp8_flops:
+            raise UsageError(f"precision fp8: {device.name} has no FP8 tensor cores (its preset has no fp8_flops); "
+                             f"choose an H100-class preset (h100-80gb, h200) or bf16")
         # the collective backend the ranks would use: its temporaries are part of the peak (gloo
         # reduce-scatters on a full-size copy of the input; NCCL in place)
         self.backend = "gloo" if device.cores else "nccl"

@@ -820,7 +820,7 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     # a block's saved bytes per token, measured by the probe in the workload's precision: the part
     # every tensor-parallel rank keeps and the part it divides; the textbook counts (B bytes an
     # element) where the model could not be probed in it (the layout's probe_fallbacks say why)
-    measured = layout.token_bytes.get(workload.precision, {})
+    measured = dict(layout.token_bytes.get(mode.measured_as, {}))
     key = f"{attn}/{fuse}"
     fused_extra = 0.0
     if f"{key}/rep" in measured:
@@ -831,6 +831,12 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     else:
         rep_bytes, par_bytes = B * 5 * layout.hidden, B * (attn_width + mlp_width)
         fused_extra = layout.intermediate * B if fuse == "on" else 0.0
+    if mode.fp8:
+        # fp8: what bf16 keeps, less what the linear layers' inputs save as FP8 casts (fp8_saved_bytes)
+        rep_save, par_save = fp8_saved_bytes(layout, mode)
+        rep_bytes, par_bytes = max(0.0, rep_bytes - rep_save), max(0.0, par_bytes - par_save)
+        for key_ in [k for k in measured if k.startswith("seq/")]:  # the regions' inputs, kept as shards
+            measured[key_] = max(0.0, measured[key_] - rep_save)
     # sequence parallelism: the replicated bytes (norm inputs, residuals, dropout masks between the
     # tensor-parallel regions, and the regions' inputs, kept as shards and gathered again in
     # backward) are on a sequence shard; the textbook count: all of them
@@ -844,11 +850,11 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     sel_par = measured.get("sel/par", B * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
     sel_par_1 = tokens * sel_par / tp if selective else 0.0
     sel_1 = tokens * sel_rep + sel_par_1 if selective else 0.0
-    score_bytes = layout.score_bytes.get(workload.precision, {}).get(attn, 2.0 * B if attn == "eager" else 0.0)
+    score_bytes = layout.score_bytes.get(mode.measured_as, {}).get(attn, 2.0 * B if attn == "eager" else 0.0)
     scores_1 = b * (layout.heads / tp) * s * s * score_bytes
     # the backward of materialised scores holds two score-sized gradients at once (the softmax's
     # output's and its input's), in the dtype the softmax ran in (measured; textbook: fp32)
-    grad_bytes = layout.score_bytes.get(workload.precision, {}).get(f"{attn}/grad", SCORE_GRAD_BYTES)
+    grad_bytes = layout.score_bytes.get(mode.measured_as, {}).get(f"{attn}/grad", SCORE_GRAD_BYTES)
     score_grads_1 = b * (layout.heads / tp) * s * s * grad_bytes if score_bytes else 0.0
     fused_1 = tokens * fused_extra / tp
     # a block's input: checkpointed blocks keep it, pipeline stages receive it (a sequence shard
@@ -856,6 +862,32 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     # autocast, which casts only what the matrix products read)
     hidden_1 = tokens * layout.hidden * mode.param_bytes / (tp if sp else 1)
     return BlockActivations(rep_1, par_1, scores_1, fused_1, hidden_1, sel_1, sel_par_1, score_grads_1)
+
+
+def fp8_saved_bytes(layout: ModelLayout, mode) -> tuple[float, float]:
+    """Bytes per token one block's saved activations lose when its linear layers save FP8 casts of
+    their inputs (precision fp8) instead of the compute dtype's: (the part every tensor-parallel rank
+    keeps, the part tensor parallelism divides, before dividing it). Each distinct linear input is
+    counted once (Q, K and V share theirs, as do a gated MLP's gate and up projections: one cast under
+    torch.compile or Transformer Engine's fused layers): the attention's and the MLP's inputs (hidden
+    wide, replicated), the attention output's projection input and the MLP's down projection input
+    (tensor-parallel). Nothing else changes: norms, the attention core and softmax stay bf16."""
+    saved = mode.activation_bytes - mode.linear_input_bytes
+    return (saved * 2 * layout.hidden,
+            saved * (layout.heads * layout.head_dim + layout.intermediate))
+
+
+# precision fp8: the fp32 amax and scale of a linear layer's input, weight and output gradient
+FP8_SCALE_BYTES = 6 * 4
+
+
+def fp8_transient_bytes(layout: ModelLayout, tp: Any, blocks: Any) -> Any:
+    """Precision fp8: bytes of the FP8 weight copies and scales alive at any moment of a step, on a
+    rank holding ``blocks`` blocks: the FP8 cast of the largest linear weight (an MLP matrix) and
+    its transposed cast for the backward's input gradient (each made when its layer runs, freed
+    after), and every linear layer's amax/scale scalars (:data:`FP8_SCALE_BYTES`)."""
+    linears = 4 + (3 if layout.gated_mlp else 2)  # Q, K, V, output; the MLP's
+    return 2 * layout.hidden * layout.intermediate / tp + blocks * linears * FP8_SCALE_BYTES
 
 
 def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
@@ -993,6 +1025,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
             # 1F1B, whatever the micro-batch count; GPipe holds every micro-batch's
             "pp_recv": hidden_1 * (fresh * (vpp - first) + vpp - last) if pipelined else 0.0,
             "constant": 2**20,
+            # fp8: the FP8 weight casts and scales (autocast's copies are amp-bf16's compute_copies)
+            "compute_copies": fp8_transient_bytes(layout, tp, per_stage) if mode.fp8 else 0.0,
         })
         cache = {} if sharded or not copy_bytes else {
             "compute_copies": copy_bytes * (per_stage * layout.block_sharded / tp + (head_matrix if last else 0.0))}
@@ -1674,20 +1708,29 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, p
 def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
     """Does the attention kernel write the score matrix? Eager does; SDPA does where the activation
     probe found it keeping scores in ``precision`` (torch's math fallback: attention dropout on CPU)."""
-    return attn == "eager" or layout.score_bytes.get(precision, {}).get(attn, 0.0) > 0
+    from ..precision import precision as precision_named
+
+    measured_as = precision_named(precision).measured_as
+    return attn == "eager" or layout.score_bytes.get(measured_as, {}).get(attn, 0.0) > 0
 
 
-def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1) -> Any:
+def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1, fp8: bool = False) -> Any:
     """One ``m x k @ k x n`` product: a GPU's roofline (FLOPs at its large-GEMM rate, or its
     operands' bytes at memory bandwidth, whichever is longer); a CPU's measured rate by the
     product's rows (:meth:`Hardware.gemm_rate`) on a rank's share of the cores when ``ranks`` run
     on it at once: ``cores // ranks`` threads each, time-sliced when there are more ranks than cores.
-    Elementwise over arrays of points (:func:`time_columns`)."""
+    ``fp8``: FP8 operands (1 byte each, the output in ``dtype_bytes``) at the GPU's FP8 rate
+    (:attr:`Hardware.fp8_flops`). Elementwise over arrays of points (:func:`time_columns`)."""
     flops = 2 * m * k * n
     if hw.cores:
         return flops / hw.gemm_rate(m, larger(1, hw.cores // ranks)) * larger(1.0, ranks / hw.cores)
-    traffic = dtype_bytes * (m * k + k * n + m * n)
-    return larger(flops / hw.flops, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
+    if fp8:
+        if not hw.fp8_flops:
+            raise ValueError(f"{hw.name} has no FP8 rate (fp8_flops)")
+        traffic, rate = (m * k + k * n) + dtype_bytes * m * n, hw.fp8_flops
+    else:
+        traffic, rate = dtype_bytes * (m * k + k * n + m * n), hw.flops
+    return larger(flops / rate, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
 
 
 # what the time terms read of a point
@@ -1753,8 +1796,12 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     width = layout.intermediate * (2 if layout.gated_mlp else 1)
     gemm = functools.partial(gemm_seconds, hw, dtype_bytes=B, ranks=world)
-    block_gemms = (gemm(tokens, layout.hidden, (q + 2 * kv) / tp) + gemm(tokens, q / tp, layout.hidden)
-                   + gemm(tokens, layout.hidden, width / tp) + gemm(tokens, layout.intermediate / tp, layout.hidden))
+    # the blocks' linear layers (forward and both backward products) in FP8 under precision fp8;
+    # the LM head and the attention core in bf16
+    linear_gemm = functools.partial(gemm, fp8=mode.fp8)
+    block_gemms = (linear_gemm(tokens, layout.hidden, (q + 2 * kv) / tp) + linear_gemm(tokens, q / tp, layout.hidden)
+                   + linear_gemm(tokens, layout.hidden, width / tp)
+                   + linear_gemm(tokens, layout.intermediate / tp, layout.hidden))
     head_gemm = gemm(tokens, layout.hidden, (layout.pre_sharded if layout.tied_head else layout.post_sharded)
                      / tp / layout.hidden)
     heads = layout.heads / tp

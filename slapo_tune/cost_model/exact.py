@@ -161,6 +161,10 @@ def stage_rank(point: Mapping[str, Any], stage: int) -> int:
     return stage * point["dp"] * point["tp"]
 
 
+FP8_EXACT_REFUSAL = ("exact memory cannot run precision fp8: FP8 kernels do not run on fake CPU tensors; "
+                     "use --mode analytic (fp8's activations: bf16's probe less the linear layers' FP8 inputs)")
+
+
 def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int] | None = None, seed: int = 0,
                  steady_state: bool = True, backend: str = "gloo") -> dict[int, MemoryBreakdown]:
     """Peak tensor memory per pipeline stage of ``point`` (one fake step per stage role).
@@ -169,8 +173,14 @@ def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int
     :func:`steady_state_workload`), which gives the same bytes in a fraction of the time (but for
     the one-element losses of the micro-batches it skips: bytes, against tens of megabytes).
     ``backend``: the collective backend whose temporaries to count (``gloo`` on CPU, ``nccl``).
-    Runs in the calling process, which must not be part of a process group already.
+    Runs in the calling process, which must not be part of a process group already. Precision fp8
+    is refused (:data:`FP8_EXACT_REFUSAL`): FP8 kernels do not run on fake CPU tensors.
     """
+    from ..errors import UsageError
+    from ..precision import precision
+
+    if precision(problem.workload.precision).fp8:
+        raise UsageError(FP8_EXACT_REFUSAL)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -59,6 +59,8 @@ class Hardware:
     gemm_half_tokens: float = 0.0
     memory_bandwidth: float = 0.0  # bytes/s per device for streaming kernels (0: not modelled)
     peak_flops: float = 0.0  # the datasheet's dense peak for the training dtype (MFU's denominator; 0: flops)
+    # achievable dense FLOP/s of large FP8 GEMMs (precision fp8's linear layers); 0: no FP8 tensor cores
+    fp8_flops: float = 0.0
 
     def gemm_rate(self, tokens: Any, threads: Any = 1) -> Any:
         """Achievable FLOP/s of the GEMMs of a micro-batch of ``tokens`` tokens (on ``threads``
@@ -84,6 +86,8 @@ PRESETS: dict[str, Hardware] = {
     # on H100/H200: NVIDIA's "Matrix Multiplication Background" performance guide and published
     # cuBLAS benchmarks); the time model's roofline caps each product's rate by it (see
     # analytic.gemm_seconds). peak_flops: the datasheet's dense bf16 (V100: fp16) tensor-core peak.
+    # fp8_flops (H100/H200 only: A100 and V100 have no FP8 tensor cores): the same share of the dense
+    # FP8 peak (1979 TFLOP/s, twice bf16's), 2 x 700e12
     # NVLink per GPU per direction inside a node, InfiniBand per GPU across nodes (one 200 Gb/s HDR
     # or 400 Gb/s NDR adapter per GPU); HBM bandwidth from the datasheets
     "a100-80gb": Hardware("a100-80gb", 80 * GiB, 250e12, 250e9, 25e9, 8e-6, memory_bandwidth=2.0e12,
@@ -91,8 +95,9 @@ PRESETS: dict[str, Hardware] = {
     "a100-40gb": Hardware("a100-40gb", 40 * GiB, 250e12, 250e9, 25e9, 8e-6, memory_bandwidth=1.55e12,
                           peak_flops=312e12),
     "h100-80gb": Hardware("h100-80gb", 80 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=3.35e12,
-                          peak_flops=989e12),
-    "h200": Hardware("h200", 141 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=4.8e12, peak_flops=989e12),
+                          peak_flops=989e12, fp8_flops=1400e12),
+    "h200": Hardware("h200", 141 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=4.8e12, peak_flops=989e12,
+                     fp8_flops=1400e12),
     "v100-32gb": Hardware("v100-32gb", 32 * GiB, 100e12, 150e9, 12e9, 10e-6, memory_bandwidth=0.9e12,
                           peak_flops=125e12),
 }
