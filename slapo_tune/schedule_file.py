@@ -9,7 +9,7 @@ file is Python, so the schedule only points at it: training runs it only when th
 A file is read only if it is a regular file of at most :data:`slapo_tune._inputs.MAX_INPUT_BYTES`,
 nested at most :data:`slapo_tune._inputs.MAX_JSON_DEPTH` deep.
 
-Version 2 names the training precision (``precision``: ``fp32``, ``amp-bf16``, ``bf16``; see
+Version 2 names the training precision (``precision``: ``fp32``, ``amp-bf16``, ``bf16``, ``fp8``; see
 :mod:`slapo_tune.precision`) and allows ``zero`` 1 and 2. Version-1 files still load: their
 ``dtype`` (``fp32``, or ``bf16`` meaning autocast over fp32 parameters) becomes the precision that
 ran then (``fp32`` or ``amp-bf16``).

@@ -6,7 +6,7 @@ only their input, a GPipe stage holds all its micro-batches in flight, a 1F1B st
 ``pp - s``, the last stage also holds the logits...). The weights are how many times a term's
 bytes are alive at the peak; defaults come from the textbook counts and :mod:`.calibration`
 fits them to exact-mode (or measured) points per device, model family and precision. Model
-states follow the precision (fp32, amp-bf16, bf16 with fp32 master weights) and the ZeRO level
+states follow the precision (fp32, amp-bf16, bf16 with fp32 master weights; fp8 as bf16) and the ZeRO level
 (:func:`model_state_bytes`); what FSDP gathers and buffers during a step follows the level and
 whether a pipeline defers its reduction (:func:`memory_terms`). What a block keeps is measured by
 :func:`activation_probe`, including what sequence parallelism puts on a sequence shard and what
