@@ -65,7 +65,7 @@ def test_fp8_is_refused_on_presets_without_fp8_and_in_exact_mode(capsys):
             "--knobs", KNOBS, "--global-batch", "64", "--seq-len", "4096"]
     assert main([*base, "--hardware", "a100-80gb"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["slapo-tune: error: precision fp8: a100-80gb has no FP8 tensor cores (its preset has no "
+    assert err == ["slapo-tune: error: precision fp8: a100-80gb has no FP8 tensor cores (no "
                    "fp8_flops); choose an H100-class preset (h100-80gb, h200) or bf16"]
     assert main([*base, "--hardware", "h100-80gb", "--mode", "exact"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

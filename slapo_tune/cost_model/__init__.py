@@ -138,7 +138,7 @@ class CostModel:
         self.layout = layout or _layout(problem)
         self.precision = self.workload.precision
         if precision_named(self.precision).fp8 and not device.fp8_flops:
-            raise UsageError(f"precision fp8: {device.name} has no FP8 tensor cores (its preset has no fp8_flops); "
+            raise UsageError(f"precision fp8: {device.name} has no FP8 tensor cores (no fp8_flops); "
                              f"choose an H100-class preset (h100-80gb, h200) or bf16")
         # the collective backend the ranks would use: its temporaries are part of the peak (gloo
         # reduce-scatters on a full-size copy of the input; NCCL in place)
