@@ -101,6 +101,11 @@ def test_runs_refuse_fp8_in_one_line(command, gpu, why, capsys, monkeypatch, tmp
 def test_fp8_gpus_are_the_presets_with_an_fp8_rate():
     assert fp8_gpu("NVIDIA H100 80GB HBM3") and fp8_gpu("NVIDIA H200")
     assert not fp8_gpu("NVIDIA A100-SXM4-40GB") and not fp8_gpu("Tesla V100-SXM2-32GB") and not fp8_gpu("cpu")
+    from slapo_tune.cost_model.hardware import PRESET_MODELS, PRESETS
+
+    # the runtime's list agrees with the cost model's presets: a preset's GPU has FP8 exactly when it has a rate
+    assert {key: fp8_gpu(model) for key, model in PRESET_MODELS.items()} == \
+        {key: bool(PRESETS[key].fp8_flops) for key in PRESET_MODELS}
 
 
 def test_schedule_files_accept_fp8(tmp_path):
