@@ -376,8 +376,15 @@ class StageModule(nn.Module):
         else:
             self._incoming[0] = x
             ids = torch.zeros(x.shape[0], x.shape[1] * self.sequence_shards, dtype=torch.long, device=x.device)
+        kwargs = {}
+        topo = self.topology
+        if topo is not None and topo.cp > 1:
+            # context parallelism: this rank's chunk of the sequence, at its global positions
+            seq = ids.shape[1]
+            start = topo.cp_rank * seq
+            kwargs["position_ids"] = torch.arange(start, start + seq, device=ids.device).expand(ids.shape[0], -1)
         try:
-            return self.model(input_ids=ids).logits
+            return self.model(input_ids=ids, **kwargs).logits
         except _StageExit as done:
             return done.hidden
         finally:

@@ -157,6 +157,12 @@ class Template:
             # stages (embedding, head) the fewer blocks (see stage_block_counts)
             return [s for s in divisors(world // p["tp"]) if s <= info.layers]
 
+        def cp_choices(p: Point) -> list[int]:
+            # context parallelism splits each sequence (a causal LM's: its loss is split with it)
+            if not self.causal_lm:
+                return [1]
+            return [c for c in divisors(world // (p["tp"] * p["pp"])) if workload.seq_len % c == 0]
+
         def micro_batch_choices(p: Point) -> list[int]:
             return divisors(gb // p["dp"]) if gb % p["dp"] == 0 else []
 
@@ -193,10 +199,13 @@ class Template:
                  limited_by=info.tp_refusal),
             Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides world/tp, at most the layers; an uneven split gives the "
                      "first and last stages the fewer blocks)"),
+            Knob("cp", cp_choices, ("tp", "pp"),
+                 doc="context-parallel degree: each sequence split over cp ranks, attention all-gathers keys "
+                     "and values (divides world/(tp*pp) and the sequence length; causal LMs)"),
             Knob("sp", sp_choices, ("tp",), kind=str,
                  doc="sequence parallelism: norms, dropout and residuals on a sequence shard of the tp group "
                      "(needs tp > 1 dividing the sequence length)"),
-            Knob("dp", derive=lambda p: world // (p["tp"] * p["pp"]), doc="data-parallel degree = world/(tp*pp)"),
+            Knob("dp", derive=lambda p: world // (p["tp"] * p["cp"] * p["pp"]), doc="data-parallel degree = world/(tp*cp*pp)"),
             Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp"),
                  doc="ZeRO level over dp: 0 replicated; 1 optimizer state, 2 also gradients, 3 also "
                      "parameters sharded (FSDP2)"),
@@ -237,6 +246,11 @@ class Template:
 
         model = sch.mod
         set_attention(model, point["attn"])
+        cp = knob_value(point, "cp")
+        if cp > 1:
+            from ._context_parallel import apply_context_parallel
+
+            apply_context_parallel(model, cp, point["attn"])
         fused = point["fuse"] == "on"
         if fused:
             self.fuse(sch, model)
