@@ -14,8 +14,11 @@ sequence up to its own global position.
   token count of the whole micro-batch; the ranks' losses and gradients are then summed over the cp
   group (:class:`~slapo_tune.runtime.TrainStep`).
 
-Contiguous chunks: rank ``r`` of ``cp`` holds tokens ``[r * s / cp, (r + 1) * s / cp)``. Under a
-causal mask the last rank does the most attention work (no load balancing yet).
+Load balance: under a causal mask a token's attention work grows with its position, so contiguous
+chunks would leave the last rank with most of it. As Megatron-LM and torchtitan do, the sequence is
+cut into ``2 * cp`` chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (one early, one
+late): every rank attends over the same number of (query, key) pairs. The cost is nothing: the same
+gathers, the mask built from the gathered keys' global positions (:func:`chunk_positions`).
 """
 
 from __future__ import annotations
@@ -81,10 +84,26 @@ def _current():
     return (None, 0, 1) if value is None else value
 
 
-def _causal_mask(q_len: int, kv_len: int, offset: int, device) -> torch.Tensor:
-    """True where query ``i`` (global position ``offset + i``) may attend to key ``j``."""
-    q = torch.arange(q_len, device=device).unsqueeze(-1) + offset
-    k = torch.arange(kv_len, device=device).unsqueeze(0)
+def chunk_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
+    """The global positions rank ``rank`` of ``size`` holds of a ``seq_len``-token sequence: chunks
+    ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` (see the module's docstring), in that order."""
+    if seq_len % (2 * size):
+        raise ScheduleError(f"cp={size}: the sequence length {seq_len} is not divisible by 2 x cp = {2 * size} "
+                            "(each rank holds two chunks, for the causal load balance)")
+    if size == 1:
+        return torch.arange(seq_len, device=device)
+    chunk = seq_len // (2 * size)
+    first, second = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk, device=device),
+                      torch.arange(second, second + chunk, device=device)])
+
+
+def _causal_mask(q_len: int, rank: int, size: int, device) -> torch.Tensor:
+    """True where this rank's query ``i`` may attend to gathered key ``j`` (keys in rank order, each
+    rank's chunks as :func:`chunk_positions` gives them)."""
+    seq = q_len * size
+    q = chunk_positions(seq, rank, size, device).unsqueeze(-1)
+    k = torch.cat([chunk_positions(seq, r, size, device) for r in range(size)]).unsqueeze(0)
     return k <= q
 
 
@@ -100,7 +119,7 @@ def _attention(module, query, key, value, attention_mask, *, kernel: str, scalin
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     q_len = query.shape[2]
-    allowed = _causal_mask(q_len, key.shape[2], rank * q_len, query.device)
+    allowed = _causal_mask(q_len, rank, size, query.device)
     dropout = dropout if module.training else 0.0
     if kernel == "sdpa":
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
@@ -155,10 +174,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: int, attn: str) -> None:
 
 
 def split_sequence(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This rank's contiguous chunk of dim 1."""
-    if x.shape[1] % size:
-        raise ScheduleError(f"cp={size}: the sequence length {x.shape[1]} is not divisible by cp")
-    return x.chunk(size, dim=1)[rank]
+    """This rank's two chunks of dim 1 (:func:`chunk_positions`)."""
+    return x[:, chunk_positions(x.shape[1], rank, size, x.device)]
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

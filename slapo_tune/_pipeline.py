@@ -28,6 +28,7 @@ from torch import nn
 
 from . import _comm
 from ._build import _direct_tensors, record_init_owners
+from ._context_parallel import chunk_positions
 from ._schedule import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, Schedule, state_of
 from .errors import PipelineError
 
@@ -380,9 +381,8 @@ class StageModule(nn.Module):
         topo = self.topology
         if topo is not None and topo.cp > 1:
             # context parallelism: this rank's chunk of the sequence, at its global positions
-            seq = ids.shape[1]
-            start = topo.cp_rank * seq
-            kwargs["position_ids"] = torch.arange(start, start + seq, device=ids.device).expand(ids.shape[0], -1)
+            positions = chunk_positions(ids.shape[1] * topo.cp, topo.cp_rank, topo.cp, ids.device)
+            kwargs["position_ids"] = positions.expand(ids.shape[0], -1)
         try:
             return self.model(input_ids=ids, **kwargs).logits
         except _StageExit as done:

@@ -159,9 +159,10 @@ class Template:
 
         def cp_choices(p: Point) -> list[int]:
             # context parallelism splits each sequence (a causal LM's: its loss is split with it)
+            # into 2 x cp chunks, two per rank (the causal load balance, see _context_parallel)
             if not self.causal_lm:
                 return [1]
-            return [c for c in divisors(world // (p["tp"] * p["pp"])) if workload.seq_len % c == 0]
+            return [c for c in divisors(world // (p["tp"] * p["pp"])) if c == 1 or workload.seq_len % (2 * c) == 0]
 
         def micro_batch_choices(p: Point) -> list[int]:
             return divisors(gb // p["dp"]) if gb % p["dp"] == 0 else []
@@ -180,7 +181,9 @@ class Template:
             return ["gpipe", "1f1b", "zb"] if zero_bubble else ["gpipe", "1f1b"]
 
         def sp_choices(p: Point) -> list[str]:
-            return ["off", "on"] if p["tp"] > 1 and workload.seq_len % p["tp"] == 0 else ["off"]
+            # the tp group shards this rank's part of the sequence (a cp chunk pair under cp)
+            local = workload.seq_len // p["cp"]
+            return ["off", "on"] if p["tp"] > 1 and local % p["tp"] == 0 else ["off"]
 
         def loss_parallel_choices(p: Point) -> list[str]:
             return ["off", "on"] if p["tp"] > 1 and self.causal_lm else ["off"]
@@ -201,15 +204,15 @@ class Template:
                      "first and last stages the fewer blocks)"),
             Knob("cp", cp_choices, ("tp", "pp"),
                  doc="context-parallel degree: each sequence split over cp ranks, attention all-gathers keys "
-                     "and values (divides world/(tp*pp) and the sequence length; causal LMs)"),
-            Knob("sp", sp_choices, ("tp",), kind=str,
+                     "and values (divides world/(tp*pp); 2*cp divides the sequence length; causal LMs)"),
+            Knob("sp", sp_choices, ("tp", "cp"), kind=str,
                  doc="sequence parallelism: norms, dropout and residuals on a sequence shard of the tp group "
-                     "(needs tp > 1 dividing the sequence length)"),
+                     "(needs tp > 1 dividing the sequence length, a rank's share of it under cp)"),
             Knob("dp", derive=lambda p: world // (p["tp"] * p["cp"] * p["pp"]), doc="data-parallel degree = world/(tp*cp*pp)"),
-            Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp"),
+            Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp", "cp"),
                  doc="ZeRO level over dp: 0 replicated; 1 optimizer state, 2 also gradients, 3 also "
                      "parameters sharded (FSDP2)"),
-            Knob("micro_batch", micro_batch_choices, ("tp", "pp"), doc="micro-batch size (divides global/dp)"),
+            Knob("micro_batch", micro_batch_choices, ("tp", "pp", "cp"), doc="micro-batch size (divides global/dp)"),
             Knob("ckpt_ratio", _distinct_ratios(info.layers), kind=float,
                  doc=f"fraction of blocks checkpointed, spread {CKPT_SPREAD}ly"),
             Knob("ckpt_policy", lambda p: ["full", "selective"] if p["ckpt_ratio"] > 0 else ["full"],

@@ -17,7 +17,7 @@ def run_attention(ctx, kernel):
     import torch.distributed as dist
     from transformers import AttentionInterface
 
-    from slapo_tune._context_parallel import CP_ATTENTION, context, register
+    from slapo_tune._context_parallel import CP_ATTENTION, chunk_positions, context, register
 
     register()
     fn = AttentionInterface()[CP_ATTENTION[kernel]]
@@ -30,8 +30,7 @@ def run_attention(ctx, kernel):
     ref = F.scaled_dot_product_attention(whole[0], kk, vv, is_causal=True).transpose(1, 2)
     (ref * dout).sum().backward()
     size, rank = ctx.world_size, ctx.rank
-    chunk = s // size
-    rows = slice(rank * chunk, (rank + 1) * chunk)
+    rows = chunk_positions(s, rank, size)  # two chunks: an early and a late one
     local = [t[:, :, rows].clone().requires_grad_(True) for t in (q, k, v)]
     module = _Attn().eval()
     with context(dist.group.WORLD, rank, size):
