@@ -87,11 +87,11 @@ def _current():
 def chunk_positions(seq_len: int, rank: int, size: int, device=None) -> torch.Tensor:
     """The global positions rank ``rank`` of ``size`` holds of a ``seq_len``-token sequence: chunks
     ``rank`` and ``2 * size - 1 - rank`` of ``2 * size`` (see the module's docstring), in that order."""
+    if size == 1:
+        return torch.arange(seq_len, device=device)
     if seq_len % (2 * size):
         raise ScheduleError(f"cp={size}: the sequence length {seq_len} is not divisible by 2 x cp = {2 * size} "
                             "(each rank holds two chunks, for the causal load balance)")
-    if size == 1:
-        return torch.arange(seq_len, device=device)
     chunk = seq_len // (2 * size)
     first, second = rank * chunk, (2 * size - 1 - rank) * chunk
     return torch.cat([torch.arange(first, first + chunk, device=device),
