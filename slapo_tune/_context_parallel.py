@@ -28,6 +28,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ._vocab_loss import loss_parallel, vocab_parallel_cross_entropy
 from .errors import ScheduleError
 
 IGNORE_INDEX = -100
@@ -162,15 +163,14 @@ def context_shards(model: torch.nn.Module) -> int:
     return next((m.__dict__[CONTEXT_SHARDS] for m in model.modules() if CONTEXT_SHARDS in m.__dict__), 1)
 
 
-def apply_context_parallel(model: torch.nn.Module, cp: int, attn: str) -> None:
-    """Schedule ``model`` for ``cp`` context-parallel ranks: its attention becomes the cp variant of ``attn``."""
+def apply_context_parallel(model: torch.nn.Module, cp: int, attn: str) -> str:
+    """Schedule ``model`` for ``cp`` context-parallel ranks; returns the attention implementation to
+    set on it (the cp variant of ``attn``, registered with transformers)."""
     if attn not in CP_ATTENTION:
         raise ScheduleError(f"cp={cp}: context parallelism runs attn=sdpa or eager, got {attn!r}")
-    from .template import set_attention
-
     register()
-    set_attention(model, CP_ATTENTION[attn])
     model.__dict__[CONTEXT_SHARDS] = cp
+    return CP_ATTENTION[attn]
 
 
 def split_sequence(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -188,8 +188,6 @@ def cp_loss_fn(model: torch.nn.Module, tp_group, cp_group):
     token count of the whole micro-batch (summed over ``cp_group``): the cp ranks' losses add up to
     Hugging Face's loss of the whole sequence."""
     from transformers.loss.loss_utils import ForCausalLMLoss
-
-    from ._vocab_loss import loss_parallel, vocab_parallel_cross_entropy
 
     if getattr(model.loss_function, "__name__", "") != ForCausalLMLoss.__name__:
         raise ScheduleError(f"cp: {type(model).__name__}'s loss is not the causal-LM cross-entropy "

@@ -386,7 +386,11 @@ class StageModule(nn.Module):
         try:
             return self.model(input_ids=ids, **kwargs).logits
         except _StageExit as done:
-            return done.hidden
+            # a block may return a view (OPT's decoder layer reshapes its output back with .view()):
+            # torch's zero-bubble backward detaches stage outputs in place, which a view refuses. A
+            # copy in place of the view (its base is no autograd input, so it is freed as it goes)
+            hidden = done.hidden
+            return hidden.clone() if hidden._base is not None else hidden
         finally:
             self._incoming[0] = None
 

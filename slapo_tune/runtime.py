@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from ._context_parallel import context, context_shards, cp_loss_fn, shift_labels, split_sequence
 from ._data_parallel import average_gradients
 from ._pipeline import StageModule, VirtualStages
 from ._schedule import state_of
@@ -214,8 +215,6 @@ class TrainStep:
         self.precision = precision_named(precision)
         if self.precision.master and getattr(model, "master", None) is None and not model.zero:
             raise ScheduleError(f"precision {precision} needs the model built with it: build(..., precision=...)")
-        from ._context_parallel import context_shards, cp_loss_fn
-
         if context_shards(model) != topo.cp:
             raise ScheduleError(f"the model was scheduled for cp={context_shards(model)}, the topology has cp={topo.cp}")
         if loss_fn is None and topo.cp > 1:
@@ -286,8 +285,6 @@ class TrainStep:
         rows = slice(topo.dp_rank * n, (topo.dp_rank + 1) * n)
         ids, labels = ids[rows], labels[rows]
         if topo.cp > 1:  # this rank's chunk of each sequence; labels shifted over the whole sequence first
-            from ._context_parallel import shift_labels, split_sequence
-
             ids, labels = split_sequence(ids, topo.cp_rank, topo.cp), split_sequence(shift_labels(labels), topo.cp_rank, topo.cp)
         return ids.to(self.device), labels.to(self.device)
 
@@ -364,8 +361,6 @@ class TrainStep:
         stack = contextlib.ExitStack()
         topo = self.topology
         if topo.cp > 1:
-            from ._context_parallel import context
-
             stack.enter_context(context(topo.cp_group, topo.cp_rank, topo.cp))
         if self.model.chunks[0].sequence_shards > 1:
             stack.enter_context(sequence_parallel_activations())

@@ -239,6 +239,7 @@ class Template:
     # ------------------------------------------------------- applying points
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
+        from ._context_parallel import apply_context_parallel  # (torch: where a model is scheduled)
         from .parallelize import (
             apply_checkpointing,
             apply_pipeline_cuts,
@@ -248,12 +249,9 @@ class Template:
         )
 
         model = sch.mod
-        set_attention(model, point["attn"])
         cp = knob_value(point, "cp")
-        if cp > 1:
-            from ._context_parallel import apply_context_parallel
-
-            apply_context_parallel(model, cp, point["attn"])
+        # context parallelism: the kernel's variant that gathers keys and values over the cp group
+        set_attention(model, apply_context_parallel(model, cp, point["attn"]) if cp > 1 else point["attn"])
         fused = point["fuse"] == "on"
         if fused:
             self.fuse(sch, model)
