@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# fixed: the knobs the grid holds at one value (sp, ckpt_policy, vpp and loss_parallel did not exist when it was
+# fixed: the knobs the grid holds at one value (sp, ckpt_policy, vpp, loss_parallel and cp did not exist when it was
 # recorded: their values then); zero: the ZeRO levels it holds (recorded before levels 1 and 2)
 GRID = dict(model="gpt2-tiny", world_size=2, global_batch=16, seq_len=64,
-            fixed={"attn": "sdpa", "sp": "off", "ckpt_policy": "full", "vpp": 1, "loss_parallel": "off"}, zero=(0, 3))
+            fixed={"attn": "sdpa", "sp": "off", "ckpt_policy": "full", "vpp": 1, "loss_parallel": "off", "cp": 1}, zero=(0, 3))
 DEFAULT_OUT = Path(__file__).with_name("data") / "gpt2_tiny_w2.csv"
 REFERENCE_OUT = Path(__file__).with_name("data") / "gpt2_ref_w1.csv"
 

@@ -1,9 +1,11 @@
-"""Sequence parallelism, selective recomputation and the interleaved pipeline, side by side.
+"""Sequence parallelism, selective recomputation, the interleaved pipeline, the vocabulary-parallel
+loss and context parallelism, side by side.
 
 On CPU ranks (world 4, gloo, one thread each), a GPT-2-shaped and a Llama-shaped workload (the tiny
-presets widened to hidden 256, sequences of 128 tokens, so that activations dominate). Seven
-points each: tp=2 with ``sp`` off / on; checkpointing none / every block ``full`` / every block
-``selective``; pp=2 with ``vpp`` 1 / 2 at the same 4 micro-batches. For every point:
+presets widened to hidden 256, sequences of 128 tokens, so that activations dominate). Ten
+points each: tp=2 with ``sp`` off / on and ``loss_parallel`` on; checkpointing none / every block
+``full`` / every block ``selective``; pp=2 with ``vpp`` 1 / 2 at the same 4 micro-batches; cp=2
+(against cp=1, "ckpt none") and cp=2 x tp=2 with sp and the vocabulary-parallel loss. For every point:
 
 - its measured peak memory per rank (torch's MemTracker, through
   :func:`slapo_tune.cost_model.measure.measure_points_rank` as ``benchmarks.record_grid`` uses it)
@@ -11,7 +13,7 @@ points each: tp=2 with ``sp`` off / on; checkpointing none / every block ``full`
 - for the one-stage points, what one block keeps per micro-batch, measured around each block's
   forward with torch's MemTracker, next to the analytic model's count and Megatron's formula
   (Korthikanti et al. 2022) evaluated for the model, and their ratio;
-- its step time, the seven points alternated step by step in one launch (median and quartiles),
+- its step time, the points alternated step by step in one launch (median and quartiles),
   with the ratios sp on / off, selective / none, full / none and vpp=2 / vpp=1 next to the
   analytic model's, and the pipeline bubble the formulas give.
 
@@ -45,7 +47,7 @@ WORKLOADS = {
     "gpt2": ("gpt2-tiny", {"n_embd": 256}),
     "llama": ("llama-tiny", {"hidden_size": 256, "head_dim": 32, "intermediate_size": 688}),
 }
-BASE = dict(tp=1, sp="off", pp=1, zero=0, micro_batch=4, ckpt_ratio=0.0, ckpt_policy="full",
+BASE = dict(tp=1, cp=1, sp="off", loss_parallel="off", pp=1, zero=0, micro_batch=4, ckpt_ratio=0.0, ckpt_policy="full",
             pipeline_schedule="1f1b", vpp=1, attn="sdpa", fuse="off")
 POINTS = {
     "tp2 sp=off": dict(tp=2),
@@ -55,10 +57,14 @@ POINTS = {
     "ckpt selective": dict(ckpt_ratio=1.0, ckpt_policy="selective"),
     "pp2 vpp=1": dict(pp=2, micro_batch=2),
     "pp2 vpp=2": dict(pp=2, vpp=2, micro_batch=2),
+    "tp2 loss_parallel=on": dict(tp=2, loss_parallel="on"),
+    "cp2": dict(cp=2),
+    "cp2 tp2 sp lp": dict(cp=2, tp=2, sp="on", loss_parallel="on"),
 }
 # (numerator, denominator) of the step-time and memory ratios reported
 RATIOS = (("tp2 sp=on", "tp2 sp=off"), ("ckpt selective", "ckpt none"), ("ckpt full", "ckpt none"),
-          ("ckpt full", "ckpt selective"), ("pp2 vpp=2", "pp2 vpp=1"))
+          ("ckpt full", "ckpt selective"), ("pp2 vpp=2", "pp2 vpp=1"),
+          ("tp2 loss_parallel=on", "tp2 sp=off"), ("cp2", "ckpt none"))
 MB = 2**20
 
 
@@ -66,7 +72,7 @@ def _points() -> dict[str, dict]:
     out = {}
     for name, knobs in POINTS.items():
         point = {**BASE, **knobs}
-        point["dp"] = WORLD // (point["tp"] * point["pp"])
+        point["dp"] = WORLD // (point["tp"] * point["pp"] * point["cp"])
         out[name] = point
     return out
 
@@ -127,7 +133,7 @@ def _rank(ctx, spec, points: dict[str, dict], rounds: int, warmup: int, tracked:
                 for name, point in points.items()}
     per_block = {}
     for name, session in sessions.items():
-        if session.plan.pp == 1:
+        if session.plan.pp == 1 and session.plan.cp == 1:  # (Megatron's formula: whole sequences)
             per_block[name] = _block_bytes(session)
         dist.barrier()
     batches = {name: s.synthetic_batch() for name, s in sessions.items()}
@@ -209,7 +215,7 @@ def _predictions(workload: str, points: dict[str, dict]) -> dict:
             "in_flight_rank0": flights(plan, 0, plan.accumulation)[0] if plan.pp > 1 else 1,
             "bubble": pipeline_bubble(plan.pp, plan.accumulation, plan.vpp) if plan.pp > 1 else 0.0,
         }
-        if plan.pp == 1:
+        if plan.pp == 1 and plan.cp == 1:
             row["block_analytic"] = block_activations(layout, plan, wl).kept(None if recompute == "none" else recompute)
             # one micro-batch of one data-parallel replica; Megatron's 2-byte activations
             row["block_megatron"] = megatron_activation_bytes(wl.seq_len, plan.micro_batch, layout.hidden, layout.heads,
@@ -269,9 +275,10 @@ def _fmt_mb(x: float) -> str:
 def report_section(data: dict) -> list[str]:
     """The benchmark's section of ``REPORT.md``: tables and the text that reads them."""
     cfg = data["config"]
-    lines = ["## Techniques side by side: sequence parallelism, selective recomputation, interleaving", "",
+    lines = ["## Techniques side by side: sequence parallelism, selective recomputation, interleaving, "
+             "vocabulary-parallel loss, context parallelism", "",
              f"CPU, world {cfg['world']} (gloo, one thread per rank on {cfg['cores']} cores), global batch "
-             f"{cfg['global_batch']}, {cfg['seq']} tokens a sequence, {cfg['rounds']} timed rounds (the seven "
+             f"{cfg['global_batch']}, {cfg['seq']} tokens a sequence, {cfg['rounds']} timed rounds (the {len(POINTS)} "
              "points alternated step by step in one launch, shuffled per round). Peak memory: the worst rank, "
              "measured by torch's MemTracker; exact and analytic: the cost model's predictions of it (error: "
              "the worst stage). Step time: median (p25-p75) over the rounds; predicted: the analytic time model "
@@ -416,6 +423,22 @@ def _reading(data: dict) -> list[str]:
             "not amortise. Where the measured ratio is not below 1, that is the reason; the gain the formula "
             "promises needs ranks that own their device and micro-batches whose compute dwarfs that overhead.",
             ""]
+    for workload, w in data["workloads"].items():
+        q, rows = w["ratios"], w["rows"]
+        lp, cp = q["tp2 loss_parallel=on / tp2 sp=off"], q["cp2 / ckpt none"]
+        both = rows["cp2 tp2 sp lp"]
+        out.append(
+            f"- **{workload} loss_parallel and cp**: at tp=2 the vocabulary-parallel loss keeps "
+            f"{lp['measured_memory']:.3f} x the peak (predicted {lp['predicted_memory']:.3f}), step time "
+            f"{lp['per_round_median']:.2f} x (predicted {lp['predicted_time']:.2f}); cp=2 (dp=2) keeps "
+            f"{cp['measured_memory']:.3f} x cp=1's (dp=4) peak (predicted {cp['predicted_memory']:.3f}), step time "
+            f"{cp['per_round_median']:.2f} x (predicted {cp['predicted_time']:.2f}); cp=2 x tp=2 with sp and the "
+            f"sharded loss peaks at {_fmt_mb(max(both['measured']))} MB (exact {both['exact_error']:.1%} off, "
+            f"analytic {both['analytic_error']:.1%}).")
+    out += ["", "Context parallelism halves what a rank keeps of each sequence but not the weights, gradients and "
+            "optimizer state, and adds the gathered keys and values each attention keeps; on CPU its all-gathers "
+            "(two per block, again in backward) are gloo calls on the critical path, where cp=1's data "
+            "parallelism only all-reduces the gradients once a step.", ""]
     if "bubble" in data:
         rows = data["bubble"]["rows"]
         interleaved = rows["vpp=2 1f1b"]

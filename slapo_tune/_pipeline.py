@@ -28,6 +28,7 @@ from torch import nn
 
 from . import _comm
 from ._build import _direct_tensors, record_init_owners
+from ._context_parallel import chunk_positions
 from ._schedule import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, Schedule, state_of
 from .errors import PipelineError
 
@@ -376,10 +377,20 @@ class StageModule(nn.Module):
         else:
             self._incoming[0] = x
             ids = torch.zeros(x.shape[0], x.shape[1] * self.sequence_shards, dtype=torch.long, device=x.device)
+        kwargs = {}
+        topo = self.topology
+        if topo is not None and topo.cp > 1:
+            # context parallelism: this rank's chunk of the sequence, at its global positions
+            positions = chunk_positions(ids.shape[1] * topo.cp, topo.cp_rank, topo.cp, ids.device)
+            kwargs["position_ids"] = positions.expand(ids.shape[0], -1)
         try:
-            return self.model(input_ids=ids).logits
+            return self.model(input_ids=ids, **kwargs).logits
         except _StageExit as done:
-            return done.hidden
+            # a block may return a view (OPT's decoder layer reshapes its output back with .view()):
+            # torch's zero-bubble backward detaches stage outputs in place, which a view refuses. A
+            # copy in place of the view (its base is no autograd input, so it is freed as it goes)
+            hidden = done.hidden
+            return hidden.clone() if hidden._base is not None else hidden
         finally:
             self._incoming[0] = None
 

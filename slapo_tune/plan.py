@@ -38,7 +38,7 @@ def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:
 
 # The knobs every template offers, in the order templates apply them, with the short names shown
 # where space is tight (Ray actor names, plots). A template's own knobs follow them.
-KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
+KNOBS = ("tp", "pp", "cp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
          "loss_parallel", "attn", "fuse")
 # the schedule users start from without a tuner (Slapo's baselines, what DeepSpeed/Megatron users
 # run): pure data parallelism, full activation checkpointing, micro-batch 1; other knobs at their first legal value
@@ -49,7 +49,7 @@ IDLE_WHERE = {"pipeline_schedule": ("pp", 1), "vpp": ("pp", 1), "zero": ("dp", 1
 SHORT_NAMES = {"micro_batch": "mb", "ckpt_ratio": "ckpt", "ckpt_policy": "ckpt_by", "pipeline_schedule": "sched"}
 # Knobs added after schedules were first written: a point without them (an older schedule file, a
 # recorded grid) means what it always meant.
-KNOB_DEFAULTS = {"sp": "off", "loss_parallel": "off", "ckpt_policy": "full", "vpp": 1}
+KNOB_DEFAULTS = {"cp": 1, "sp": "off", "loss_parallel": "off", "ckpt_policy": "full", "vpp": 1}
 
 
 def knob_value(point: Mapping[str, Any], name: str) -> Any:
@@ -82,6 +82,7 @@ class Plan(Mapping[str, Any]):
 
     tp: int
     pp: int
+    cp: int  # context-parallel degree: each sequence split over cp ranks (attention all-gathers K, V)
     sp: str  # sequence parallelism over the tensor-parallel group: "off" or "on"
     loss_parallel: str  # the LM head's logits stay sharded over the vocabulary, loss across the tp group
     dp: int
@@ -109,8 +110,9 @@ class Plan(Mapping[str, Any]):
         if per_step < 1 or workload.global_batch % per_step:
             raise UsageError(f"global batch {workload.global_batch} is not divisible by dp x micro_batch = "
                              f"{dp} x {micro_batch}")
-        if point["tp"] * point["pp"] * dp != workload.world_size:
-            raise UsageError(f"tp x pp x dp = {point['tp']} x {point['pp']} x {dp} is not the world size "
+        if point["tp"] * point["cp"] * point["pp"] * dp != workload.world_size:
+            cp = f" x cp={point['cp']}" if point["cp"] > 1 else ""
+            raise UsageError(f"tp x pp x dp = {point['tp']} x {point['pp']} x {dp}{cp} is not the world size "
                              f"{workload.world_size}")
         extra = {k: v for k, v in point.items() if k not in KNOBS}
         return cls(**{k: point[k] for k in KNOBS}, accumulation=accumulation(workload, dp, micro_batch), extra=extra)

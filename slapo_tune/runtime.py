@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from ._context_parallel import context, context_shards, cp_loss_fn, shift_labels, split_sequence
 from ._data_parallel import average_gradients
 from ._pipeline import StageModule, VirtualStages
 from ._schedule import state_of
@@ -214,6 +215,10 @@ class TrainStep:
         self.precision = precision_named(precision)
         if self.precision.master and getattr(model, "master", None) is None and not model.zero:
             raise ScheduleError(f"precision {precision} needs the model built with it: build(..., precision=...)")
+        if context_shards(model) != topo.cp:
+            raise ScheduleError(f"the model was scheduled for cp={context_shards(model)}, the topology has cp={topo.cp}")
+        if loss_fn is None and topo.cp > 1:
+            loss_fn = cp_loss_fn(model.model, topo.tp_group, topo.cp_group)
         self.loss_fn = loss_fn or default_loss_fn(model.model, topo.tp_group)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
@@ -278,7 +283,10 @@ class TrainStep:
             )
         n = ids.shape[0] // topo.dp
         rows = slice(topo.dp_rank * n, (topo.dp_rank + 1) * n)
-        return ids[rows].to(self.device), labels[rows].to(self.device)
+        ids, labels = ids[rows], labels[rows]
+        if topo.cp > 1:  # this rank's chunk of each sequence; labels shifted over the whole sequence first
+            ids, labels = split_sequence(ids, topo.cp_rank, topo.cp), split_sequence(shift_labels(labels), topo.cp_rank, topo.cp)
+        return ids.to(self.device), labels.to(self.device)
 
     def __call__(self, batch: Mapping[str, torch.Tensor]) -> float:
         return self.run(batch).item()
@@ -304,6 +312,8 @@ class TrainStep:
         loss = loss.reshape(1).to(self.device)
         if topo.pp > 1:
             dist.broadcast(loss, src=topo.pp_global_ranks[-1], group=topo.pp_sync_group)
+        if topo.cp > 1:  # each cp rank's loss is its tokens' share of the whole sequence's
+            dist.all_reduce(loss, group=topo.cp_group)
         if topo.dp > 1:
             dist.all_reduce(loss, group=topo.dp_group)
             loss /= topo.dp
@@ -349,6 +359,9 @@ class TrainStep:
         from .parallelize import sequence_parallel_activations
 
         stack = contextlib.ExitStack()
+        topo = self.topology
+        if topo.cp > 1:
+            stack.enter_context(context(topo.cp_group, topo.cp_rank, topo.cp))
         if self.model.chunks[0].sequence_shards > 1:
             stack.enter_context(sequence_parallel_activations())
         if self.precision.autocast is not None:
@@ -372,6 +385,12 @@ class TrainStep:
                 dist.all_reduce(local, group=topo.tie_group)
         if topo.tp > 1:  # norms and row-parallel biases under sequence parallelism saw a shard of the tokens
             reduce_sequence_partial_gradients(self.model, self.gradient, topo.tp_group)
+        if topo.cp > 1:  # context-parallel ranks saw different tokens of the same sequences: their shares add up
+            params = self.model.master.parameters() if self.model.master is not None else self.model.parameters()
+            for param in params:
+                grad = self.gradient(param) if self.model.master is None else param.grad
+                if grad is not None:
+                    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=topo.cp_group)
         if topo.dp > 1 and self.model.zero == 0:
             params = self.model.master.parameters() if self.model.master is not None else self.model.parameters()
             average_gradients(params, topo.dp_group)

@@ -62,7 +62,7 @@ class Session:
                  model: torch.nn.Module | None = None, topology: Topology | None = None, lr: float | None = None):
         self.problem, self.plan, self.seed = problem, plan, seed
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.topology = topology or init_topology(pp=plan.pp, tp=plan.tp, device_type=self.device.type)
+        self.topology = topology or init_topology(pp=plan.pp, tp=plan.tp, cp=plan.cp, device_type=self.device.type)
         if model is None:
             model = problem.model.build("meta")
         schedule = problem.template.schedule(model, plan, self.topology)

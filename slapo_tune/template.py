@@ -157,6 +157,13 @@ class Template:
             # stages (embedding, head) the fewer blocks (see stage_block_counts)
             return [s for s in divisors(world // p["tp"]) if s <= info.layers]
 
+        def cp_choices(p: Point) -> list[int]:
+            # context parallelism splits each sequence (a causal LM's: its loss is split with it)
+            # into 2 x cp chunks, two per rank (the causal load balance, see _context_parallel)
+            if not self.causal_lm:
+                return [1]
+            return [c for c in divisors(world // (p["tp"] * p["pp"])) if c == 1 or workload.seq_len % (2 * c) == 0]
+
         def micro_batch_choices(p: Point) -> list[int]:
             return divisors(gb // p["dp"]) if gb % p["dp"] == 0 else []
 
@@ -174,7 +181,9 @@ class Template:
             return ["gpipe", "1f1b", "zb"] if zero_bubble else ["gpipe", "1f1b"]
 
         def sp_choices(p: Point) -> list[str]:
-            return ["off", "on"] if p["tp"] > 1 and workload.seq_len % p["tp"] == 0 else ["off"]
+            # the tp group shards this rank's part of the sequence (a cp chunk pair under cp)
+            local = workload.seq_len // p["cp"]
+            return ["off", "on"] if p["tp"] > 1 and local % p["tp"] == 0 else ["off"]
 
         def loss_parallel_choices(p: Point) -> list[str]:
             return ["off", "on"] if p["tp"] > 1 and self.causal_lm else ["off"]
@@ -193,14 +202,17 @@ class Template:
                  limited_by=info.tp_refusal),
             Knob("pp", pp_choices, ("tp",), doc="pipeline stages (divides world/tp, at most the layers; an uneven split gives the "
                      "first and last stages the fewer blocks)"),
-            Knob("sp", sp_choices, ("tp",), kind=str,
+            Knob("cp", cp_choices, ("tp", "pp"),
+                 doc="context-parallel degree: each sequence split over cp ranks, attention all-gathers keys "
+                     "and values (divides world/(tp*pp); 2*cp divides the sequence length; causal LMs)"),
+            Knob("sp", sp_choices, ("tp", "cp"), kind=str,
                  doc="sequence parallelism: norms, dropout and residuals on a sequence shard of the tp group "
-                     "(needs tp > 1 dividing the sequence length)"),
-            Knob("dp", derive=lambda p: world // (p["tp"] * p["pp"]), doc="data-parallel degree = world/(tp*pp)"),
-            Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp"),
+                     "(needs tp > 1 dividing the sequence length, a rank's share of it under cp)"),
+            Knob("dp", derive=lambda p: world // (p["tp"] * p["cp"] * p["pp"]), doc="data-parallel degree = world/(tp*cp*pp)"),
+            Knob("zero", lambda p: [0, 1, 2, 3] if p["dp"] > 1 else [0], ("tp", "pp", "cp"),
                  doc="ZeRO level over dp: 0 replicated; 1 optimizer state, 2 also gradients, 3 also "
                      "parameters sharded (FSDP2)"),
-            Knob("micro_batch", micro_batch_choices, ("tp", "pp"), doc="micro-batch size (divides global/dp)"),
+            Knob("micro_batch", micro_batch_choices, ("tp", "pp", "cp"), doc="micro-batch size (divides global/dp)"),
             Knob("ckpt_ratio", _distinct_ratios(info.layers), kind=float,
                  doc=f"fraction of blocks checkpointed, spread {CKPT_SPREAD}ly"),
             Knob("ckpt_policy", lambda p: ["full", "selective"] if p["ckpt_ratio"] > 0 else ["full"],
@@ -227,6 +239,7 @@ class Template:
     # ------------------------------------------------------- applying points
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
+        from ._context_parallel import apply_context_parallel  # (torch: where a model is scheduled)
         from .parallelize import (
             apply_checkpointing,
             apply_pipeline_cuts,
@@ -236,7 +249,9 @@ class Template:
         )
 
         model = sch.mod
-        set_attention(model, point["attn"])
+        cp = knob_value(point, "cp")
+        # context parallelism: the kernel's variant that gathers keys and values over the cp group
+        set_attention(model, apply_context_parallel(model, cp, point["attn"]) if cp > 1 else point["attn"])
         fused = point["fuse"] == "on"
         if fused:
             self.fuse(sch, model)

@@ -1,7 +1,10 @@
-"""The one place that turns ``(dp, pp, tp)`` into process groups.
+"""The one place that turns ``(dp, pp, tp, cp)`` into process groups.
 
-Ranks are laid out on a ``(pp, dp, tp)`` device mesh: tensor-parallel ranks are adjacent (the
-fastest links carry the most traffic), pipeline stages are outermost (they communicate least).
+Ranks are laid out on a ``(pp, dp, cp, tp)`` device mesh: tensor-parallel ranks are adjacent (the
+fastest links carry the most traffic), context-parallel ranks next (they all-gather keys and values
+every attention), pipeline stages are outermost (they communicate least). Context-parallel ranks
+hold the same parameters and see different tokens of the same sequences: their gradients are
+summed over the cp group (:class:`~slapo_tune.runtime.TrainStep`); ZeRO shards over dp only.
 Schedules receive their groups from a :class:`Topology`; nothing else creates groups.
 """
 
@@ -23,13 +26,17 @@ class Topology:
     dp: int
     pp: int
     tp: int
+    cp: int = 1
     dp_rank: int = 0
     pp_rank: int = 0
     tp_rank: int = 0
+    cp_rank: int = 0
     mesh: object | None = field(default=None, repr=False)
     tp_group: ProcessGroup | None = field(default=None, repr=False)
     dp_group: ProcessGroup | None = field(default=None, repr=False)
     pp_group: ProcessGroup | None = field(default=None, repr=False)
+    # context parallelism: the ranks that split each sequence (same pp, dp and tp coordinates)
+    cp_group: ProcessGroup | None = field(default=None, repr=False)
     # {first stage, last stage} ranks at this rank's (dp, tp) coordinate: tied embeddings sum here
     tie_group: ProcessGroup | None = field(default=None, repr=False)
     # the pipeline's ranks again, for collectives (the loss), kept apart from its point-to-point group
@@ -38,7 +45,7 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     @property
     def is_first_stage(self) -> bool:
@@ -53,21 +60,26 @@ class Topology:
         return None if self.mesh is None else self.mesh["dp"]
 
     def __str__(self) -> str:
-        return f"dp={self.dp} x pp={self.pp} x tp={self.tp} (rank: dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})"
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        cp_rank = f", cp {self.cp_rank}" if self.cp > 1 else ""
+        return (f"dp={self.dp} x pp={self.pp} x tp={self.tp}{cp} "
+                f"(rank: dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank}{cp_rank})")
 
 
-def factorize(world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None) -> tuple[int, int, int]:
-    """``(dp, pp, tp)`` with ``dp * pp * tp == world_size``; ``dp`` defaults to what is left."""
-    for name, value in (("pp", pp), ("tp", tp)):
+def factorize(world_size: int, pp: int = 1, tp: int = 1, dp: int | None = None, cp: int = 1) -> tuple[int, int, int]:
+    """``(dp, pp, tp)`` with ``dp * pp * tp * cp == world_size``; ``dp`` defaults to what is left."""
+    for name, value in (("pp", pp), ("tp", tp), ("cp", cp)):
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
-    if world_size % (pp * tp):
-        raise UsageError(f"world size {world_size} is not divisible by pp x tp = {pp} x {tp}")
-    rest = world_size // (pp * tp)
+    if world_size % (pp * tp * cp):
+        what = f"pp x tp x cp = {pp} x {tp} x {cp}" if cp > 1 else f"pp x tp = {pp} x {tp}"
+        raise UsageError(f"world size {world_size} is not divisible by {what}")
+    rest = world_size // (pp * tp * cp)
     if dp is None:
         dp = rest
     elif dp != rest:
-        raise UsageError(f"dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}, but the world size is {world_size}")
+        raise UsageError(f"dp x pp x tp x cp = {dp} x {pp} x {tp} x {cp} = {dp * pp * tp * cp}, "
+                         f"but the world size is {world_size}")
     return dp, pp, tp
 
 
@@ -83,7 +95,7 @@ def _ensure_process_group(device_type: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_topology(pp: int = 1, tp: int = 1, dp: int | None = None, device_type: str = "cpu") -> Topology:
+def init_topology(pp: int = 1, tp: int = 1, dp: int | None = None, device_type: str = "cpu", cp: int = 1) -> Topology:
     """Create the mesh and every group for this layout. All ranks must call it, in the same order.
 
     Initialises a one-process group when torch.distributed is not initialised (world size 1).
@@ -92,11 +104,17 @@ def init_topology(pp: int = 1, tp: int = 1, dp: int | None = None, device_type: 
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    dp, pp, tp = factorize(world, pp=pp, tp=tp, dp=dp)
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    coords = mesh.get_coordinate()
-    pp_rank, dp_rank, tp_rank = coords
-    layout = mesh.mesh.tolist()
+    dp, pp, tp = factorize(world, pp=pp, tp=tp, dp=dp, cp=cp)
+    if cp > 1:
+        mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        pp_rank, dp_rank, cp_rank, tp_rank = mesh.get_coordinate()
+        layout = mesh.mesh.tolist()
+        cp_group = mesh.get_group("cp")
+    else:
+        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+        cp_rank, cp_group = 0, None
+        layout = [[[row] for row in stage] for stage in mesh.mesh.tolist()]  # [pp][dp][cp=1][tp]
     pp_group = pp_sync_group = mesh.get_group("pp")
     tie_group = None
     if pp > 1:
@@ -104,16 +122,18 @@ def init_topology(pp: int = 1, tp: int = 1, dp: int | None = None, device_type: 
         # whole world is the default group, and gloo can match a pending send of a pipeline with a
         # later collective on the same group (an intermittent hang).
         for i in range(dp):
-            for j in range(tp):
-                stages = [layout[s][i][j] for s in range(pp)]
-                group = dist.new_group(stages)
-                sync = dist.new_group(stages)
-                tie = dist.new_group([stages[0], stages[-1]])
-                if (i, j) == (dp_rank, tp_rank):
-                    pp_group, pp_sync_group, tie_group = group, sync, tie
-    pp_ranks = tuple(layout[s][dp_rank][tp_rank] for s in range(pp))
+            for c in range(cp):
+                for j in range(tp):
+                    stages = [layout[s][i][c][j] for s in range(pp)]
+                    group = dist.new_group(stages)
+                    sync = dist.new_group(stages)
+                    tie = dist.new_group([stages[0], stages[-1]])
+                    if (i, c, j) == (dp_rank, cp_rank, tp_rank):
+                        pp_group, pp_sync_group, tie_group = group, sync, tie
+    pp_ranks = tuple(layout[s][dp_rank][cp_rank][tp_rank] for s in range(pp))
     return Topology(
         dp=dp, pp=pp, tp=tp, dp_rank=dp_rank, pp_rank=pp_rank, tp_rank=tp_rank, mesh=mesh,
         tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"), pp_group=pp_group,
         tie_group=tie_group, pp_sync_group=pp_sync_group, pp_global_ranks=pp_ranks,
+        cp=cp, cp_rank=cp_rank, cp_group=cp_group,
     )

@@ -17,7 +17,7 @@ def _run(capsys, *argv):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--knobs", "foo=1"], "unknown knob 'foo' (knobs: tp, pp, sp, dp, zero, micro_batch"),
+    (["--knobs", "foo=1"], "unknown knob 'foo' (knobs: tp, pp, cp, sp, dp, zero, micro_batch"),
     (["--knobs", "tp=2,tp=4"], "knob 'tp' is given twice"),
     (["--knobs", "tp=3"], "tp=3 is not legal for this model and world; legal values: 1, 2, 4"),
     (["--knobs", "tp=2,pp=4"], "pp=4 is not legal for this model and world with tp=2; legal values: 1, 2"),

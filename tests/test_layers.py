@@ -19,6 +19,7 @@ PACKAGES = ("slapo_tune", "search_spaces", "runners")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedule language and runtime", (
         "slapo_tune._atomic", "slapo_tune._inputs", "slapo_tune._owned", "slapo_tune._vocab_loss", "slapo_tune.errors",
+        "slapo_tune._context_parallel",
         "slapo_tune._comm",
         "slapo_tune._sharding",
         "slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._pipeline", "slapo_tune._build",

@@ -23,8 +23,8 @@ def _space(preset, world, global_batch=8, template=None):
 
 
 def _check_invariants(point, info, world, global_batch):
-    tp, pp, dp = point["tp"], point["pp"], point["dp"]
-    assert tp * pp * dp == world
+    tp, pp, dp, cp = point["tp"], point["pp"], point["dp"], point["cp"]
+    assert tp * cp * pp * dp == world
     assert all(d % tp == 0 for d in (info.heads, info.kv_heads, info.vocab, info.intermediate))
     assert info.layers % pp == 0
     assert global_batch % (dp * point["micro_batch"]) == 0
@@ -47,7 +47,7 @@ def test_every_legal_point_is_enumerated_and_legal(family, world):
     assert len({format_point(p) for p in points}) == len(points)  # no duplicates
     for p in points:
         _check_invariants(p, info, world, 8)
-    layouts = {(p["tp"], p["pp"]) for p in points}
+    layouts = {(p["tp"], p["pp"]) for p in points if p["cp"] == 1}
     expected = {(t, s) for t in (1, 2, 4) for s in (1, 2, 4) if t * s <= world and world % (t * s) == 0}
     assert layouts == expected  # tiny presets: every factorisation of 1, 2 and 4 is legal
     assert {p["fuse"] for p in points} == {"off", "on"} and {p["attn"] for p in points} == {"sdpa", "eager"}
@@ -57,10 +57,10 @@ def test_domains_depend_on_earlier_knobs():
     _, _, space = _space("gpt2-tiny", 4)
     assert space.legal_values("pp", {"tp": 4}) == [1]
     assert space.legal_values("pp", {"tp": 1}) == [1, 2, 4]
-    dp2 = {"tp": 2, "pp": 1, "sp": "off", "dp": 2}
+    dp2 = {"tp": 2, "pp": 1, "cp": 1, "sp": "off", "dp": 2}
     assert space.legal_values("zero", dp2) == [0, 1, 2, 3]
     assert space.legal_values("micro_batch", {**dp2, "zero": 0}) == [1, 2, 4]  # divisors of 8 / dp
-    pipe = {"tp": 1, "pp": 4, "sp": "off", "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.0, "ckpt_policy": "full"}
+    pipe = {"tp": 1, "pp": 4, "cp": 1, "sp": "off", "dp": 1, "zero": 0, "micro_batch": 4, "ckpt_ratio": 0.0, "ckpt_policy": "full"}
     assert space.legal_values("pipeline_schedule", pipe) == ["gpipe"]  # 2 micro-batches < 4 stages
 
 
@@ -68,7 +68,7 @@ def test_text_and_json_forms_are_stable():
     _, _, space = _space("llama-tiny", 2)
     point = space.complete({"tp": 2, "ckpt_ratio": 0.5})
     text = format_point(point)
-    assert text == ("tp=2,pp=1,sp=off,dp=1,zero=0,micro_batch=1,ckpt_ratio=0.5,ckpt_policy=full,"
+    assert text == ("tp=2,pp=1,cp=1,sp=off,dp=1,zero=0,micro_batch=1,ckpt_ratio=0.5,ckpt_policy=full,"
                     "pipeline_schedule=1f1b,vpp=1,loss_parallel=off,attn=sdpa,fuse=off")
     assert json.loads(point_json(point)) == point and list(json.loads(point_json(point))) == space.names
     again = space.complete(coerce(space, parse_knobs(text)))
@@ -77,7 +77,7 @@ def test_text_and_json_forms_are_stable():
 
 def test_bad_knobs_are_usage_errors_naming_legal_values():
     _, _, space = _space("gpt2-tiny", 4)
-    with pytest.raises(UsageError, match=r"unknown knob 'tpp' \(knobs: tp, pp, sp, dp"):
+    with pytest.raises(UsageError, match=r"unknown knob 'tpp' \(knobs: tp, pp, cp, sp, dp"):
         space.complete({"tpp": 1})
     with pytest.raises(UsageError, match="knob 'tp' is given twice"):
         parse_knobs("tp=2,pp=1,tp=4")

@@ -73,6 +73,14 @@ def test_every_point_verifies(preset, world):
     _run(world, _points(preset, world, sample=False))
 
 
+def test_a_block_returning_a_view_runs_under_zero_bubble():
+    """OPT's decoder layer returns a view (its output reshaped back with .view()); torch's zero-bubble
+    backward detaches stage outputs in place, which a view refuses: the stage hands on a copy."""
+    spec = _spec("opt-tiny", 2)
+    point = spec.resolve().plan({"pp": 2, "micro_batch": 2, "pipeline_schedule": "zb", "vpp": 2}).knobs()
+    _run(2, [(("opt-tiny", format_point(point)), spec, point)])
+
+
 def test_generic_template_on_an_untemplated_decoder(tmp_path):
     path = _neox_config(tmp_path)
     spec = _spec(path, 4)

@@ -423,7 +423,7 @@ class CostModel:
         cache = self._weighted("stage_floor", weights)
         # vpp: an interleaved stage with no steady state accumulates less at its loss (stage_builder)
         keys = [(p["tp"], p["pp"], p["dp"], p["zero"], p["micro_batch"], stage,
-                 knob_value(p, "vpp") if p["pp"] > 1 else 1) for p, stage in zip(points, stages)]
+                 knob_value(p, "vpp") if p["pp"] > 1 else 1, knob_value(p, "cp")) for p, stage in zip(points, stages)]
         missing: dict[tuple, tuple[Mapping[str, Any], int]] = {}
         for key, p, stage in zip(keys, points, stages):
             if key not in cache and key not in missing:
@@ -586,7 +586,7 @@ class CostModel:
 
 _STAGE = "\0stage"  # group_verdicts' column of each row's stage (no knob's name)
 # what block_activations reads of a point besides whether there is a checkpoint ratio
-_ACTS_KNOBS_NAMES = ("tp", "micro_batch", "attn", "fuse", "sp", "ckpt_policy")
+_ACTS_KNOBS_NAMES = ("tp", "micro_batch", "attn", "fuse", "sp", "ckpt_policy", "cp")
 _ACTS_KNOBS = operator.itemgetter(*_ACTS_KNOBS_NAMES)
 _ACTS_READ = (*_ACTS_KNOBS_NAMES, "ckpt_ratio")  # all _acts_key reads
 _UNSET = (object(),) * len(_ACTS_READ)  # a knob a base or a tail leaves to the other

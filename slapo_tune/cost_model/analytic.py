@@ -808,6 +808,7 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     from ..precision import precision
 
     tp, b, attn, fuse = point["tp"], point["micro_batch"], point["attn"], point["fuse"]
+    cp = knob_value(point, "cp")
     sp = tp > 1 and knob_value(point, "sp") == "on"
     selective = point["ckpt_ratio"] > 0 and knob_value(point, "ckpt_policy") == "selective"
     mode = precision(workload.precision)
@@ -816,7 +817,9 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     kv = layout.kv_heads * layout.head_dim
     attn_width = 2 * q + 2 * kv  # q, k, v and the attention output
     mlp_width = layout.intermediate * (3 if layout.gated_mlp else 2)
-    tokens = b * s
+    # context parallelism: a rank's chunk of each sequence (s / cp tokens), whose queries attend to
+    # the whole sequence's keys
+    tokens = b * s / cp
     # a block's saved bytes per token, measured by the probe in the workload's precision: the part
     # every tensor-parallel rank keeps and the part it divides; the textbook counts (B bytes an
     # element) where the model could not be probed in it (the layout's probe_fallbacks say why)
@@ -844,6 +847,10 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     seq_bytes = min(rep_bytes, seq_bytes) if sp else 0.0
     rep_1 = tokens * (rep_bytes - seq_bytes + seq_bytes / tp)
     par_1 = tokens * par_bytes / tp
+    # cp > 1: attention keeps the keys and values gathered over the whole sequence (repeated to the
+    # query heads under grouped-query attention) for its backward
+    gathered_width = 2 * (q if layout.kv_heads < layout.heads else kv)
+    par_1 = par_1 + _pick(cp > 1, b * s * gathered_width * B / tp, 0.0)
     # selective recomputation keeps the matmul outputs of a checkpointed block (row-parallel ones
     # whole: partial sums before their reduction; column-parallel ones divided), recomputes the rest
     sel_rep = measured.get("sel/rep", B * 2 * layout.hidden)
@@ -851,11 +858,11 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     sel_par_1 = tokens * sel_par / tp if selective else 0.0
     sel_1 = tokens * sel_rep + sel_par_1 if selective else 0.0
     score_bytes = layout.score_bytes.get(mode.measured_as, {}).get(attn, 2.0 * B if attn == "eager" else 0.0)
-    scores_1 = b * (layout.heads / tp) * s * s * score_bytes
+    scores_1 = b * (layout.heads / tp) * (s / cp) * s * score_bytes
     # the backward of materialised scores holds two score-sized gradients at once (the softmax's
     # output's and its input's), in the dtype the softmax ran in (measured; textbook: fp32)
     grad_bytes = layout.score_bytes.get(mode.measured_as, {}).get(f"{attn}/grad", SCORE_GRAD_BYTES)
-    score_grads_1 = b * (layout.heads / tp) * s * s * grad_bytes if score_bytes else 0.0
+    score_grads_1 = b * (layout.heads / tp) * (s / cp) * s * grad_bytes if score_bytes else 0.0
     fused_1 = tokens * fused_extra / tp
     # a block's input: checkpointed blocks keep it, pipeline stages receive it (a sequence shard
     # under sequence parallelism); the residual stream is in the parameters' dtype (fp32 under
@@ -947,7 +954,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     gloo = backend == "gloo"
     state_bytes = {k: _each(lambda d, k=k: model_state_bytes(workload.precision, level, d)[k], dp)
                    for k in ("weights", "master", "optimizer")}
-    tokens = b * s
+    tokens = b * s / knob_value(point, "cp")  # context parallelism: this rank's chunk of each sequence
     # the logits' vocabulary is sharded over the tp group under loss_parallel (a point without it: off)
     vocab_shards = _pick((tp > 1) & (knob_value(point, "loss_parallel") == "on"), tp, 1)
     if linear:
@@ -1734,7 +1741,7 @@ def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: 
 
 
 # what the time terms read of a point
-TIME_KNOBS = ("tp", "pp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
+TIME_KNOBS = ("tp", "pp", "cp", "sp", "dp", "zero", "micro_batch", "ckpt_ratio", "ckpt_policy", "pipeline_schedule", "vpp",
               "attn", "fuse", "loss_parallel")
 
 
@@ -1773,7 +1780,7 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     from ..precision import precision
 
     mode = precision(workload.precision)
-    tp, pp, dp = point["tp"], point["pp"], point["dp"]
+    tp, pp, dp, cp = point["tp"], point["pp"], point["dp"], point["cp"]
     b, s, B = point["micro_batch"], workload.seq_len, mode.activation_bytes
     m = accumulation(workload, dp, b)
     sp = (tp > 1) & (point["sp"] == "on")
@@ -1787,8 +1794,8 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
                          zip(point["ckpt_ratio"].tolist(), pp.tolist(), vpp.tolist())], dtype=np.int64)
     else:
         ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
-    tokens = b * s
-    world = tp * pp * dp
+    tokens = b * s / cp  # context parallelism: this rank's chunk of each sequence
+    world = tp * pp * dp * cp
     # CPU: ranks share the cores (threads each, see gemm_seconds) and the memory bandwidth; more
     # ranks than cores time-slice
     sliced = larger(1.0, world / hw.cores) if hw.cores else 1.0
@@ -1807,9 +1814,10 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     heads = layout.heads / tp
     # SDPA on a GPU: a fused kernel, FlashAttention-2 keeps scores on chip, dropout too; else QK^T
     # and AV: per head, an s x d @ d x s and an s x s @ s x d product
+    # (context parallelism: the chunk's s / cp queries against the whole sequence's s keys)
     attn_fwd = choose((point["attn"] == "sdpa") & gpu,
-                        4 * b * heads * s * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
-                        b * heads * (gemm(s, layout.head_dim, s) + gemm(s, s, layout.head_dim)))
+                        4 * b * heads * (s / cp) * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
+                        b * heads * (gemm(s / cp, layout.head_dim, s) + gemm(s / cp, s, layout.head_dim)))
     traffic_fwd = (tokens * block_traffic(layout, point, s, workload.precision, gpu) * B / bandwidth
                    if hw.memory_bandwidth else 0.0)
     # forward and backward (twice the forward), and recomputation: a fully checkpointed block runs
@@ -1850,6 +1858,15 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     sharded_loss = (tp > 1) & (point["loss_parallel"] == "on")
     tp_comm = tp_comm + m * choose(sharded_loss, 3 * _ring(tokens * 4, tp, hw),
                                    _ring(tokens * layout.vocab * B, tp, hw, "all_gather"))
+    # context parallelism (counted with tp_comm: the blocks' collectives on the critical path, not
+    # overlapped): each attention all-gathers K and V of the whole sequence over the cp group (ranks
+    # tp apart), again when a checkpointed block recomputes, and its backward all-reduces their
+    # gradients; the loss all-reduces its token count
+    kv_bytes = b * s * kv / tp * B
+    cp_gather = _ring(kv_bytes, cp, hw, "all_gather", stride=tp)
+    cp_reduce = _ring(kv_bytes, cp, hw, "all_reduce", stride=tp)
+    tp_comm = tp_comm + choose(cp > 1, 2 * slots * ((per_stage + ckpt) * cp_gather + per_stage * cp_reduce)
+                               + m * _ring(4, cp, hw, stride=tp), 0.0)
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
     # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks
     # apart: across nodes once that fills one. On a GPU the steady state's sends run beside compute;
@@ -1875,6 +1892,8 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         exposed = (gather_s + reduce_s) / units
         fsdp = choose(level >= 2, larger(exposed, fsdp - (compute + attention + elementwise)), fsdp)
     dp_comm = choose(level == 0, _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride), fsdp)
+    # context-parallel ranks sum their gradients (after FSDP's reduction: a dp shard of them)
+    dp_comm = dp_comm + _ring(stage_params * GRAD_BYTES / choose(level > 0, dp, 1), cp, hw, stride=tp)
     return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
             "grad_accumulation": grad_accumulation, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 

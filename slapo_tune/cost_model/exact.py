@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SlapoTuneError
-from ..plan import Plan, Workload, accumulation
+from ..plan import Plan, Workload, accumulation, knob_value
 from ..problem import Problem
 from ._tracker import MemoryBreakdown, fake_friendly_optimizers, tracked_step
 
@@ -157,8 +157,8 @@ def steady_state_workload(point: Mapping[str, Any], workload: Workload) -> Workl
 
 
 def stage_rank(point: Mapping[str, Any], stage: int) -> int:
-    """A global rank holding pipeline ``stage`` (mesh order: pp, dp, tp)."""
-    return stage * point["dp"] * point["tp"]
+    """A global rank holding pipeline ``stage`` (mesh order: pp, dp, cp, tp)."""
+    return stage * point["dp"] * knob_value(point, "cp") * point["tp"]
 
 
 FP8_EXACT_REFUSAL = ("exact memory cannot run precision fp8: FP8 kernels do not run on fake CPU tensors; "
@@ -197,7 +197,7 @@ def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int
         dist.init_process_group("fake", store=FakeStore(), rank=stage_rank(point, stage),
                                 world_size=workload.world_size)
         try:
-            topology = init_topology(pp=point["pp"], tp=point["tp"])
+            topology = init_topology(pp=point["pp"], tp=point["tp"], cp=knob_value(point, "cp"))
             with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), fake_mask_decisions(), \
                     _static_pipeline_warmup(), _works_hold_their_tensors(), _backend_temporaries(backend):
                 torch.manual_seed(seed)
