@@ -6,7 +6,9 @@ grid (:mod:`benchmarks.search_strategies`), cost-model accuracy
 (:mod:`benchmarks.cost_model_accuracy`; the full 60-point grid alone takes about 50 minutes on 2
 cores, so this run measures a smaller seeded sample unless ``--full-accuracy``), sequence
 parallelism, selective recomputation and interleaving side by side (:mod:`benchmarks.techniques`),
-overheads (schedule language, pipeline, runners, the driver at 1,000 trials), ``plan``'s wall time
+the published tables (:mod:`benchmarks.paper_tables`) and published GPU runs with their
+citations (:mod:`benchmarks.published_runs`), overheads (schedule language, pipeline, runners,
+the driver at 1,000 trials), ``plan``'s wall time
 at 1,024-3,072 ranks (:mod:`benchmarks.plan_speed`) and ``tune``'s start-up on such a space
 (:mod:`benchmarks.search_startup`). ``--quick`` is a smoke run of
 every section (under 10 minutes), not the reported figures.
@@ -44,6 +46,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
             ("driver overhead", "driver_overhead", ["--trials", "200", "--strategies", "tpe"]),
             ("techniques side by side", "techniques", ["--quick"]),
             ("published tables", "paper_tables", ["--quick"]),
+            ("published GPU runs", "published_runs", ["--quick"]),
             ("plan at scale", "plan_speed", ["--rounds", "1"]),
             ("tune start-up at scale", "search_startup", ["--rounds", "1"]),
         ]
@@ -58,6 +61,7 @@ def sections(quick: bool, full_accuracy: bool) -> list[tuple[str, str, list[str]
         ("driver overhead", "driver_overhead", []),
         ("techniques side by side", "techniques", []),
         ("published tables", "paper_tables", []),
+        ("published GPU runs", "published_runs", []),
         ("plan at scale", "plan_speed", []),
         ("tune start-up at scale", "search_startup", []),
     ]
@@ -228,6 +232,11 @@ def report(mode: str, seconds: dict[str, float], failures: dict[str, str]) -> st
         from benchmarks.paper_tables import report_section as paper_section
 
         lines += paper_section(papers)
+    runs = _load("published_runs")
+    if runs:
+        from benchmarks.published_runs import report_section as runs_section
+
+        lines += runs_section(runs)
     plans = _load("plan_speed")
     if plans:
         from benchmarks.plan_speed import report_section as plan_section

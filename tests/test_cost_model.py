@@ -584,3 +584,17 @@ def test_no_memory_term_is_negative_at_any_point():
                 for st in memory_terms(model.layout, p, problem.workload, model.backend)
                 for event, terms in st.events.items() for term, value in terms.items() if value < 0]
     assert not negative, negative[:3]
+
+
+def test_sdpa_on_cuda_ranks_keeps_no_scores_whatever_the_cpu_probe_kept():
+    """GPT-2 has attention dropout: on CPU, SDPA falls back to the math kernel and keeps the scores
+    (the probe measures them); on CUDA ranks FlashAttention-2 / the memory-efficient kernel keep
+    none, dropout included, as the time model already assumes. Eager keeps them everywhere."""
+    problem = ProblemSpec("gpt2", 8, seq_len=1024, global_batch=64, precision="bf16", device="cuda").resolve()
+    gpu = CostModel(problem, hardware("h100-80gb"))
+    assert gpu.layout.score_bytes["bf16"]["sdpa"] > 0
+    point = dict(problem.plan(dict(tp=1, pp=1, zero=0, micro_batch=4, ckpt_ratio=0.0, attn="sdpa")))
+    assert gpu.memory(point).breakdown.get("act_scores", 0) == 0
+    assert gpu.memory({**point, "attn": "eager"}).breakdown["act_scores"] > 0
+    cpu = CostModel(problem, Hardware("test-cpu", 16 * 2**30, 1e10, 1e9, 1e9, 5e-5, 2, 4e-4, 2))
+    assert cpu.memory(point).breakdown["act_scores"] > 0

@@ -323,7 +323,7 @@ class CostModel:
         key = self._acts_key(point)
         cache = self.__dict__.setdefault("_acts", {})
         if key not in cache:
-            cache[key] = block_activations(self.layout, point, self.workload)
+            cache[key] = block_activations(self.layout, point, self.workload, self.backend)
         return cache[key]
 
     def _features(self, point: Mapping[str, Any]) -> LinearFeatures:

@@ -798,13 +798,17 @@ class BlockActivations(NamedTuple):
         return self.replicated + self.parallel + self.scores + self.fused
 
 
-def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: Workload) -> BlockActivations:
+def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: Workload,
+                      backend: str = "gloo") -> BlockActivations:
     """What one block of ``layout`` keeps per micro-batch under ``point``, from the activation
     probe's counts in the workload's precision, as measured (:func:`activation_probe`; textbook
     counts where it could not run, which the layout's ``probe_fallbacks`` say):
     tensor parallelism divides the ``parallel`` part and the scores; sequence parallelism (``sp``)
     the part of ``replicated`` between the regions and the block's input; a selective
-    checkpoint's matmul outputs (``selective``) are there only with ``ckpt_policy`` selective."""
+    checkpoint's matmul outputs (``selective``) are there only with ``ckpt_policy`` selective.
+    ``backend`` ``nccl`` (CUDA ranks): SDPA runs a fused kernel (FlashAttention-2 or the
+    memory-efficient one, attention dropout included) that keeps no scores, whatever the probe's
+    CPU run kept (torch's math fallback under dropout); the time model charges it as such."""
     from ..precision import precision
 
     tp, b, attn, fuse = point["tp"], point["micro_batch"], point["attn"], point["fuse"]
@@ -857,7 +861,9 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     sel_par = measured.get("sel/par", B * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
     sel_par_1 = tokens * sel_par / tp if selective else 0.0
     sel_1 = tokens * sel_rep + sel_par_1 if selective else 0.0
-    score_bytes = layout.score_bytes.get(mode.measured_as, {}).get(attn, 2.0 * B if attn == "eager" else 0.0)
+    fused_sdpa = attn == "sdpa" and backend == "nccl"
+    score_bytes = 0.0 if fused_sdpa else layout.score_bytes.get(mode.measured_as, {}).get(
+        attn, 2.0 * B if attn == "eager" else 0.0)
     scores_1 = b * (layout.heads / tp) * (s / cp) * s * score_bytes
     # the backward of materialised scores holds two score-sized gradients at once (the softmax's
     # output's and its input's), in the dtype the softmax ran in (measured; textbook: fp32)
@@ -960,7 +966,7 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     if linear:
         acts = UNIT_ACTIVATIONS
     elif acts is None:
-        acts = block_activations(layout, point, workload)
+        acts = block_activations(layout, point, workload, backend)
     rep_1, par_1, scores_1, fused_1 = acts.replicated, acts.parallel, acts.scores, acts.fused
     sel_1, sel_par_1, hidden_1 = acts.selective, acts.selective_parallel, acts.input
     score_grads_1 = acts.score_grads
@@ -1642,9 +1648,12 @@ def _ring(bytes_: Any, n: Any, hw: Hardware, kind: str = "all_reduce", stride: A
     ring spans more devices than a node holds. Elementwise over arrays of points (see
     :func:`time_columns`)."""
     spans = n * stride > hw.devices_per_node
+    # the ring's ranks in one node (ranks stride apart: a node holds devices_per_node / stride of them)
+    per_node = _min(n, _max(hw.devices_per_node // stride, 1))
     factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return choose((n <= 1) | (bytes_ <= 0), 0.0, steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans))
+    return choose((n <= 1) | (bytes_ <= 0), 0.0,
+                  steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans, per_node))
 
 
 def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> tuple[Any, Any]:

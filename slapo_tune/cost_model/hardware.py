@@ -73,9 +73,16 @@ class Hardware:
             rate = self.flops
         return choose(tokens > 0, rate * tokens / choose(tokens > 0, tokens + half, 1.0), rate)
 
-    def bandwidth(self, group_size: Any, spans_nodes: Any) -> Any:
-        """Per direction, of a group (elementwise over arrays of groups: ``spans_nodes`` may be one)."""
-        return choose(spans_nodes, self.inter_bandwidth, self.intra_bandwidth)
+    def bandwidth(self, group_size: Any, spans_nodes: Any, per_node: Any = 1) -> Any:
+        """Per direction, per rank, of a ring over a group with ``per_node`` of its ranks in each node
+        (elementwise over arrays of groups). Across nodes NCCL runs a ring (channel) per NIC: each
+        of the group's ranks in a node drives its own NIC (one per GPU, rail-optimised), and each
+        ring crosses a node boundary once per node, so the group's bytes leave a node over
+        ``per_node`` NICs at once, up to what NVLink carries inside it; a group with one rank per
+        node (ranks a node apart) has one NIC's bandwidth."""
+        across = self.inter_bandwidth * larger(per_node, 1)
+        return choose(spans_nodes, choose(across < self.intra_bandwidth, across, self.intra_bandwidth),
+                      self.intra_bandwidth)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,61 @@
+"""The published-runs benchmark's data and arithmetic (``benchmarks.published_runs``): each run is
+cited, self-consistent and built at the size that ran; nothing here predicts anything."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.published_runs import _spec, load_runs, published_point, spearman
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return load_runs()
+
+
+def test_every_run_is_cited_and_some_are_kept_aside(runs):
+    for run in runs:
+        source = run["source"]
+        assert source["repository"] and source["path"] and len(source["commit"]) == 40 and source["table"], run["id"]
+    held = {r["id"] for r in runs if r["held_out"]}
+    assert 0 < len(held) < len(runs) and len({r["id"] for r in runs}) == len(runs)
+
+
+def test_the_built_models_have_the_published_parameter_counts(runs):
+    """The stand-in (Hugging Face GPT-2 blocks at MPT's shape) against each table's NumParams: within
+    0.2 % (GPT-2's biases, which MPT lacks), at every size and sequence length (learned positions)."""
+    seen = set()
+    for run in runs:
+        key = (run["model"]["name"], run["seq_len"])
+        if key in seen:
+            continue
+        seen.add(key)
+        model = _spec(run).resolve().model.build("meta")
+        count = sum(p.numel() for p in model.parameters())
+        assert count == pytest.approx(run["model"]["num_params"], rel=0.002), run["id"]
+
+
+def test_a_run_whose_batch_does_not_add_up_is_refused(runs, tmp_path):
+    bad = dict(runs[0], knobs=dict(runs[0]["knobs"], grad_accum=runs[0]["knobs"]["grad_accum"] + 1))
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"version": 1, "runs": [bad]}))
+    with pytest.raises(ValueError, match="global batch"):
+        load_runs(path)
+
+
+def test_full_shard_is_zero_3_and_checkpointing_every_block(runs):
+    ckpt = next(r for r in runs if r["knobs"]["activation_checkpointing"])
+    point = published_point(ckpt)
+    assert point["zero"] == 3 and point["ckpt_ratio"] == 1.0 and point["micro_batch"] == ckpt["knobs"]["micro_batch"]
+
+
+def test_spearman_is_pearson_over_ranks():
+    rng = np.random.default_rng(0)
+    xs, ys = rng.random(30), rng.random(30)
+    ranks = lambda v: np.argsort(np.argsort(v))  # noqa: E731 - no ties in random floats
+    assert spearman(list(xs), list(ys)) == pytest.approx(np.corrcoef(ranks(xs), ranks(ys))[0, 1])
+    assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)  # ties share their average rank
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
