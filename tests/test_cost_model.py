@@ -598,3 +598,25 @@ def test_sdpa_on_cuda_ranks_keeps_no_scores_whatever_the_cpu_probe_kept():
     assert gpu.memory({**point, "attn": "eager"}).breakdown["act_scores"] > 0
     cpu = CostModel(problem, Hardware("test-cpu", 16 * 2**30, 1e10, 1e9, 1e9, 5e-5, 2, 4e-4, 2))
     assert cpu.memory(point).breakdown["act_scores"] > 0
+
+
+def test_plan_breaks_ties_toward_the_lower_peak_and_keeps_tunes_reserve(capsys):
+    """Llama-7B on 8 H100s with no budget given: the hardware's memory less the reserve tune keeps;
+    points predicted equally fast (ZeRO-2 and -3 of the same layout) come lower peak first."""
+    from slapo_tune.device import cuda_reserve
+
+    code = main(["plan", "--model", "llama-7b", "--world-size", "8", "--hardware", "h100-80gb", "--top", "10",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    memory = hardware("h100-80gb").memory
+    assert code == 0 and data["budget"] == memory - cuda_reserve(memory) < memory
+    rows = data["top"]
+    ties = [(a, b) for a, b in zip(rows, rows[1:]) if a["throughput"] == b["throughput"]]
+    assert ties and all(a["peak"] <= b["peak"] for a, b in ties), [(r["throughput"], r["peak"]) for r in rows]
+    assert any(a["peak"] < b["peak"] for a, b in ties)
+
+
+def test_plan_for_cpu_ranks_without_a_budget_is_a_usage_error(capsys):
+    code = main(["plan", "--model", "gpt2-tiny", "--world-size", "2", "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "needs --memory-budget" in err

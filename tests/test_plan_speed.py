@@ -65,7 +65,7 @@ def _reference(budget: int, top: int, *case) -> dict:
                "stage_blocks": [len(rank_blocks(model.layout.layers, point["pp"], r, point["vpp"] if point["pp"] > 1 else 1))
                                 for r in range(point["pp"])]}
         (rows if verdict.fits else pruned).append(row)
-    rows.sort(key=lambda r: (r["peak"] > budget, -r["throughput"]))
+    rows.sort(key=lambda r: (r["peak"] > budget, -r["throughput"], r["peak"]))
     return {"points": len(evaluated), "feasible": len(rows), "pruned": len(pruned), "top": rows[:top],
             "pruned_examples": pruned[:top], "smallest": sorted(pruned, key=lambda r: r["peak"])}
 

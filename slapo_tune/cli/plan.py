@@ -28,7 +28,9 @@ CLUSTER_HARDWARE = "a100-80gb"  # planned GPU ranks' hardware when no GPU is vis
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p)
-    p.add_argument("--memory-budget", required=True, help="per-device memory, e.g. 80GiB")
+    p.add_argument("--memory-budget", default=None,
+                   help="per-device memory, e.g. 80GiB (default on cuda: the hardware's memory less the reserve "
+                        "tune keeps for the CUDA context and the allocator, 2 GiB + 5 %%)")
     add_device_argument(p, "where the planned ranks would run: cuda (default; no GPU needed here) or cpu")
     add_hardware_argument(p, f"on cuda the GPU visible here, else {CLUSTER_HARDWARE}; on cpu this machine")
     add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
@@ -157,7 +159,8 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
     * step time only for the points that fit (every knob may change it), all at once
       (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best points
-      that fit (predicted to fit first, then by throughput, then in space order) and the first
+      that fit (predicted to fit first, then by throughput, then by the lower peak, then in space
+      order) and the first
       pruned ones; the pruned ones of smallest peak when asked (:meth:`_Found.smallest`).
     """
     import numpy as np
@@ -270,7 +273,8 @@ def _search(model, problem, budget: int, top: int) -> _Found:
             firsts += itertools.islice(((i + c, stem, rest) for i, stem, _ in members for c, rest in enumerate(combos)), top)
     found.examples = [_row(model, Plan.of({**raw, **tail}, workload), budget)
                       for _, raw, tail in sorted(firsts, key=operator.itemgetter(0))[:top]]
-    # the points that fit, their knobs as columns: predicted to fit first, then by throughput, then in space order
+    # the points that fit, their knobs as columns: predicted to fit first, then by throughput, then
+    # by the lower peak, then in space order
     fit = np.flatnonzero(oks)
     found.feasible = len(fit)
     used, inverse = np.unique(stem_of[fit], return_inverse=True)
@@ -278,7 +282,9 @@ def _search(model, problem, budget: int, top: int) -> _Found:
                np.array([stems[s][2][k] for s in used.tolist()])[inverse.reshape(-1)] for k in {**stems[0][2], **combos[0]}
                } if len(fit) else {}
     throughputs = model.column_throughputs(columns) if len(fit) else np.zeros(0)
-    best = np.lexsort((index_of[fit], -throughputs, peaks[fit] > budget))
+    # equal predicted speed (points that differ in what the step does not feel): the lower peak
+    # first, the headroom a user would keep
+    best = np.lexsort((index_of[fit], peaks[fit], -throughputs, peaks[fit] > budget))
     found.rows = [_row(model, Plan.of(knobs_of(v), workload), budget) for v in fit[best[:top]].tolist()]
     return found
 
@@ -305,20 +311,36 @@ def _recheck_exact(model, rows: list[dict], budget: int) -> None:
         r["exact_peak"] = peaks[r["exact_stage"]]
 
 
+def _budget(args: argparse.Namespace, setup, hw) -> tuple[int, str]:
+    """The per-device budget and how the header says it: the one given, or on GPU ranks the
+    hardware's memory less the reserve ``tune`` keeps (:func:`~slapo_tune.device.cuda_reserve`)."""
+    from ..device import cuda_reserve
+    from ..errors import UsageError
+    from ..units import parse_size
+
+    if args.memory_budget is not None:
+        budget = parse_size(args.memory_budget)
+        return budget, f"{format_size(budget)} each"
+    if not setup.cuda:
+        raise UsageError("plan for CPU ranks needs --memory-budget (e.g. --memory-budget 4GiB)")
+    reserve = cuda_reserve(hw.memory)
+    return hw.memory - reserve, (f"{format_size(hw.memory - reserve)} each: {format_size(hw.memory)} less "
+                                 f"{format_size(reserve)} reserved, as tune keeps")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cost_model import CostModel
     from ..cost_model.cards import preset_card
     from ..errors import UsageError
     from ..precision import default_precision
     from ..space import format_point
-    from ..units import parse_size
     from . import EXIT_OK
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    budget = parse_size(args.memory_budget)
     # a plan is for a cluster: GPU ranks by default, and nothing of it has to run here
     setup = device_of(args.device or ("cpu" if args.hardware == "cpu" else "cuda"), here=False)
     hw, hardware_line = hardware_of(args, setup, fallback=CLUSTER_HARDWARE)
+    budget, budget_line = _budget(args, setup, hw)
     precision = args.precision or default_precision(setup.kind)
     if args.mode == "exact" and precision == "fp8":  # before the search, not after it
         from ..cost_model.exact import FP8_EXACT_REFUSAL
@@ -362,7 +384,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     defaulted = _defaulted(args)
     tokens = workload.global_batch * workload.seq_len
-    print(f"{args.model} on {workload.world_size} x {hw.name} ({format_size(budget)} each), {precision}, global batch "
+    print(f"{args.model} on {workload.world_size} x {hw.name} ({budget_line}), {precision}, global batch "
           f"{workload.global_batch} ({_tokens(tokens)} tokens{', default' if 'global_batch' in defaulted else ''}), "
           f"seq {workload.seq_len}{' (default: ' + _SEQ_DEFAULT[setup.kind] + ')' if 'seq_len' in defaulted else ''}"
           f": {found.points} point(s), {found.feasible} fit, {found.pruned} pruned ({elapsed:.2f} s, template "
