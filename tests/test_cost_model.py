@@ -620,3 +620,22 @@ def test_plan_for_cpu_ranks_without_a_budget_is_a_usage_error(capsys):
     code = main(["plan", "--model", "gpt2-tiny", "--world-size", "2", "--device", "cpu"])
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1 and "needs --memory-budget" in err
+
+
+def test_a_model_without_sdpa_is_offered_eager_attention_only(tmp_path):
+    """Hugging Face's MPT computes its scores itself (``_supports_sdpa`` False): ``attn=sdpa`` would
+    be a name only, and a GPU plan that took it for FlashAttention would count no scores. Every
+    preset's class supports SDPA (their shipped cards assume it without loading transformers)."""
+    import transformers
+
+    from slapo_tune.models import PRESETS, task_class
+
+    config = transformers.MptConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256)
+    config.save_pretrained(tmp_path)
+    problem = ProblemSpec(str(tmp_path), 2, seq_len=64, global_batch=4).resolve()
+    assert {p["attn"] for p in problem.space.enumerate()} == {"eager"}
+    gpt2 = ProblemSpec("gpt2-tiny", 2, seq_len=64, global_batch=4).resolve()
+    assert {p["attn"] for p in gpt2.space.enumerate()} == {"sdpa", "eager"}
+    for name in PRESETS:
+        cls = task_class(ProblemSpec(name, 1).model_spec.config())
+        assert cls._supports_sdpa, name
