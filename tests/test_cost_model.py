@@ -639,3 +639,20 @@ def test_a_model_without_sdpa_is_offered_eager_attention_only(tmp_path):
     for name in PRESETS:
         cls = task_class(ProblemSpec(name, 1).model_spec.config())
         assert cls._supports_sdpa, name
+
+
+@pytest.mark.parametrize("knobs,says", [
+    # the knobs left out come first-legal (gpipe: 1,472 GiB); with them held, 1F1B points fit
+    ("tp=8,pp=8,zero=0,micro_batch=1,ckpt_ratio=1", r"pipeline_schedule=gpipe,.* is predicted at 1\d{3}\.\d\d GiB, "
+     r"over 80\.00 GiB; \d+ point\(s\) with tp=8,pp=8,zero=0,micro_batch=1,ckpt_ratio=1 fit, the fastest: "
+     r".*pipeline_schedule=1f1b"),
+    ("tp=1,pp=1,zero=0,micro_batch=1,ckpt_ratio=1", r"no point with tp=1,pp=1,zero=0,micro_batch=1,ckpt_ratio=1 fits: "
+     r"the smallest predicted peak is"),
+])
+def test_a_pinned_point_that_does_not_fit_names_what_does(capsys, knobs, says):
+    import re
+
+    code = main(["plan", "--model", "llama-70b", "--world-size", "64", "--seq-len", "4096", "--global-batch", "1024",
+                 "--hardware", "a100-80gb", "--memory-budget", "80GiB", "--knobs", knobs])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and re.search(says, err), err

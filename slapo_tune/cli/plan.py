@@ -311,6 +311,25 @@ def _recheck_exact(model, rows: list[dict], budget: int) -> None:
         r["exact_peak"] = peaks[r["exact_stage"]]
 
 
+def _pinned_point_refusal(model, problem, knobs: str, row: dict, budget: int) -> str:
+    """Why ``--knobs`` gave no plan: its point (the knobs left out at their first legal value) does
+    not fit, and what does among the points with those knobs held: the fastest that fits, or the
+    one of smallest peak (a user pinning tp, pp and recomputation has not chosen the schedule that
+    came first, gpipe)."""
+    from ..space import format_point
+
+    given = f"{format_point(row['point'])} is predicted at {format_size(row['peak'])}, over {format_size(budget)}"
+    pinned = problem.pinned(knobs)
+    found = _search(model, pinned, budget, 1)
+    if found.rows:
+        best = found.rows[0]
+        return (f"{given}; {found.feasible} point(s) with {knobs} fit, the fastest: {format_point(best['point'])} "
+                f"(peak {format_size(best['peak'])}): pin the knobs that differ")
+    smallest = found.smallest(model, budget, 1)[0]
+    return (f"{given}; no point with {knobs} fits: the smallest predicted peak is {format_size(smallest['peak'])} "
+            f"at {format_point(smallest['point'])}")
+
+
 def _budget(args: argparse.Namespace, setup, hw) -> tuple[int, str]:
     """The per-device budget and how the header says it: the one given, or on GPU ranks the
     hardware's memory less the reserve ``tune`` keeps (:func:`~slapo_tune.device.cuda_reserve`)."""
@@ -367,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         r["mfu"] = model.mfu(r["step_s"], workload.world_size) if r["step_s"] else None
     fallbacks = list(getattr(model.layout, "probe_fallbacks", ()) or ())
+    if not rows and args.knobs:
+        raise UsageError(_pinned_point_refusal(model, problem, args.knobs, row, budget))
     if not rows:
         smallest = found.smallest(model, budget, 1)[0]
         raise UsageError(
