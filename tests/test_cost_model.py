@@ -601,19 +601,30 @@ def test_sdpa_on_cuda_ranks_keeps_no_scores_whatever_the_cpu_probe_kept():
 
 
 def test_plan_breaks_ties_toward_the_lower_peak_and_keeps_tunes_reserve(capsys):
-    """Llama-7B on 8 H100s with no budget given: the hardware's memory less the reserve tune keeps;
-    points predicted equally fast (ZeRO-2 and -3 of the same layout) come lower peak first."""
+    """Llama-7B on 8 H100s with no budget given: the hardware's memory less the reserve tune keeps.
+    The top list shows each layout once, by its best point; of points predicted equally fast (ZeRO
+    levels of one layout whose communication compute hides) the lower peak."""
     from slapo_tune.device import cuda_reserve
 
-    code = main(["plan", "--model", "llama-7b", "--world-size", "8", "--hardware", "h100-80gb", "--top", "10",
-                 "--json"])
+    argv = ["plan", "--model", "llama-7b", "--world-size", "8", "--hardware", "h100-80gb", "--top", "10", "--json"]
+    code = main(argv)
     data = json.loads(capsys.readouterr().out)
     memory = hardware("h100-80gb").memory
     assert code == 0 and data["budget"] == memory - cuda_reserve(memory) < memory
-    rows = data["top"]
-    ties = [(a, b) for a, b in zip(rows, rows[1:]) if a["throughput"] == b["throughput"]]
-    assert ties and all(a["peak"] <= b["peak"] for a, b in ties), [(r["throughput"], r["peak"]) for r in rows]
-    assert any(a["peak"] < b["peak"] for a, b in ties)
+    # the whole card: ZeRO-2 (77.6 GiB) ties ZeRO-3 (65.5 GiB) on the fastest layout
+    code = main([*argv, "--memory-budget", "80GiB"])
+    rows = json.loads(capsys.readouterr().out)["top"]
+    layouts = [(r["point"]["tp"], r["point"]["pp"], r["point"]["cp"]) for r in rows]
+    assert len(set(layouts)) == len(layouts) > 1
+    problem = ProblemSpec("llama-7b", 8, precision="bf16", device="cuda").resolve()
+    model = CostModel(problem, hardware("h100-80gb"))
+    best = rows[0]
+    ties = []
+    for zero in (0, 1, 2, 3):
+        other = problem.plan({**best["point"], "zero": zero})
+        if model.time(other).throughput(problem.workload) == best["throughput"]:
+            ties.append(model.memory(other).peak)
+    assert len(ties) > 1 and min(ties) == pytest.approx(best["peak"]) and max(ties) > best["peak"], (best, ties)
 
 
 def test_plan_for_cpu_ranks_without_a_budget_is_a_usage_error(capsys):

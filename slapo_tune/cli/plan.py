@@ -140,6 +140,8 @@ def _runs(counts: list[int]) -> str:
 
 # what CostModel.layout_floor reads of a point
 _LAYOUT_KNOBS = ("tp", "pp", "dp", "zero")
+# the knobs whose values make a layout the top list shows once (dp follows from them)
+DISTINCT_LAYOUT = ("tp", "pp", "cp")
 
 
 def _search(model, problem, budget: int, top: int) -> _Found:
@@ -158,9 +160,9 @@ def _search(model, problem, budget: int, top: int) -> _Found:
       (:meth:`CostModel.group_verdicts`, which evaluates apart what its stages tell apart);
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
     * step time only for the points that fit (every knob may change it), all at once
-      (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best points
-      that fit (predicted to fit first, then by throughput, then by the lower peak, then in space
-      order) and the first
+      (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best point of
+      each layout (:data:`DISTINCT_LAYOUT`) that fits (predicted to fit first, then by throughput,
+      then by the lower peak, then in space order) and the first
       pruned ones; the pruned ones of smallest peak when asked (:meth:`_Found.smallest`).
     """
     import numpy as np
@@ -285,6 +287,12 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     # equal predicted speed (points that differ in what the step does not feel): the lower peak
     # first, the headroom a user would keep
     best = np.lexsort((index_of[fit], peaks[fit], -throughputs, peaks[fit] > budget))
+    # one row per layout, its best point: the list shows choices of parallelism, not variants of
+    # one (a layout's other knobs are what --knobs pins to see them)
+    present = [k for k in DISTINCT_LAYOUT if k in columns]
+    if present:
+        keys = np.stack([np.asarray(columns[k])[best] for k in present], axis=1)
+        best = best[np.sort(np.unique(keys, axis=0, return_index=True)[1])]
     found.rows = [_row(model, Plan.of(knobs_of(v), workload), budget) for v in fit[best[:top]].tolist()]
     return found
 
