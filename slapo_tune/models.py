@@ -210,19 +210,41 @@ def model_family(config) -> str:
     return {"mistral": "llama", "qwen2": "llama"}.get(mt, mt)
 
 
+def task_class(config) -> type:
+    """The Hugging Face class :func:`model_from_config` builds for ``config`` (``AutoModelForCausalLM``
+    where neither the family nor the config's ``architectures`` name one)."""
+    import transformers
+
+    cls_name = _TASK_CLASS.get(getattr(config, "model_type", ""))
+    if cls_name is not None:
+        return getattr(transformers, cls_name)
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    return cls or transformers.AutoModelForCausalLM
+
+
+def supports_sdpa(config) -> bool:
+    """Whether the model's attention can run torch's SDPA (Hugging Face's ``_supports_sdpa``): a
+    model without it (MPT) computes its scores itself whatever the implementation asked for."""
+    import transformers
+
+    cls = task_class(config)
+    if cls is transformers.AutoModelForCausalLM:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        try:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        except KeyError:
+            return True  # unknown here: the runtime finds out
+    return bool(getattr(cls, "_supports_sdpa", True))
+
+
 def model_from_config(config, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> nn.Module:
     """Instantiate the task model for ``config`` on ``device`` (weights random on a real device)."""
     import torch
     import transformers
 
-    mt = getattr(config, "model_type", "")
-    cls_name = _TASK_CLASS.get(mt)
-    if cls_name is not None:
-        cls = getattr(transformers, cls_name)
-    else:
-        archs = getattr(config, "architectures", None) or []
-        cls = getattr(transformers, archs[0], None) if archs else None
-        cls = cls or transformers.AutoModelForCausalLM
+    cls = task_class(config)
     with torch.device(device):
         if cls is transformers.AutoModelForCausalLM:
             model = cls.from_config(config)

@@ -63,7 +63,7 @@ class ModelInfo:
 
     @classmethod
     def from_config(cls, config) -> ModelInfo:
-        from .models import model_family
+        from .models import model_family, supports_sdpa
 
         hidden = config.hidden_size
         inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
@@ -77,6 +77,8 @@ class ModelInfo:
             hidden=hidden,
             vocab=config.vocab_size,
             intermediate=inter,
+            # a preset's card (no transformers config: the planner's view) is of a family that does
+            supports_sdpa=supports_sdpa(config) if hasattr(config, "to_dict") else True,
         )
 
 

@@ -598,3 +598,72 @@ def test_sdpa_on_cuda_ranks_keeps_no_scores_whatever_the_cpu_probe_kept():
     assert gpu.memory({**point, "attn": "eager"}).breakdown["act_scores"] > 0
     cpu = CostModel(problem, Hardware("test-cpu", 16 * 2**30, 1e10, 1e9, 1e9, 5e-5, 2, 4e-4, 2))
     assert cpu.memory(point).breakdown["act_scores"] > 0
+
+
+def test_plan_breaks_ties_toward_the_lower_peak_and_keeps_tunes_reserve(capsys):
+    """Llama-7B on 8 H100s with no budget given: the hardware's memory less the reserve tune keeps.
+    The top list shows each layout once, by its best point; of points predicted equally fast (ZeRO
+    levels of one layout whose communication compute hides) the lower peak."""
+    from slapo_tune.device import cuda_reserve
+
+    argv = ["plan", "--model", "llama-7b", "--world-size", "8", "--hardware", "h100-80gb", "--top", "10", "--json"]
+    code = main(argv)
+    data = json.loads(capsys.readouterr().out)
+    memory = hardware("h100-80gb").memory
+    assert code == 0 and data["budget"] == memory - cuda_reserve(memory) < memory
+    # the whole card: ZeRO-2 (77.6 GiB) ties ZeRO-3 (65.5 GiB) on the fastest layout
+    code = main([*argv, "--memory-budget", "80GiB"])
+    rows = json.loads(capsys.readouterr().out)["top"]
+    layouts = [(r["point"]["tp"], r["point"]["pp"], r["point"]["cp"]) for r in rows]
+    assert len(set(layouts)) == len(layouts) > 1
+    problem = ProblemSpec("llama-7b", 8, precision="bf16", device="cuda").resolve()
+    model = CostModel(problem, hardware("h100-80gb"))
+    best = rows[0]
+    ties = []
+    for zero in (0, 1, 2, 3):
+        other = problem.plan({**best["point"], "zero": zero})
+        if model.time(other).throughput(problem.workload) == best["throughput"]:
+            ties.append(model.memory(other).peak)
+    assert len(ties) > 1 and min(ties) == pytest.approx(best["peak"]) and max(ties) > best["peak"], (best, ties)
+
+
+def test_plan_for_cpu_ranks_without_a_budget_is_a_usage_error(capsys):
+    code = main(["plan", "--model", "gpt2-tiny", "--world-size", "2", "--device", "cpu"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and "needs --memory-budget" in err
+
+
+def test_a_model_without_sdpa_is_offered_eager_attention_only(tmp_path):
+    """Hugging Face's MPT computes its scores itself (``_supports_sdpa`` False): ``attn=sdpa`` would
+    be a name only, and a GPU plan that took it for FlashAttention would count no scores. Every
+    preset's class supports SDPA (their shipped cards assume it without loading transformers)."""
+    import transformers
+
+    from slapo_tune.models import PRESETS, task_class
+
+    config = transformers.MptConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=256)
+    config.save_pretrained(tmp_path)
+    problem = ProblemSpec(str(tmp_path), 2, seq_len=64, global_batch=4).resolve()
+    assert {p["attn"] for p in problem.space.enumerate()} == {"eager"}
+    gpt2 = ProblemSpec("gpt2-tiny", 2, seq_len=64, global_batch=4).resolve()
+    assert {p["attn"] for p in gpt2.space.enumerate()} == {"sdpa", "eager"}
+    for name in PRESETS:
+        cls = task_class(ProblemSpec(name, 1).model_spec.config())
+        assert cls._supports_sdpa, name
+
+
+@pytest.mark.parametrize("knobs,says", [
+    # the knobs left out come first-legal (gpipe: 1,472 GiB); with them held, 1F1B points fit
+    ("tp=8,pp=8,zero=0,micro_batch=1,ckpt_ratio=1", r"pipeline_schedule=gpipe,.* is predicted at 1\d{3}\.\d\d GiB, "
+     r"over 80\.00 GiB; \d+ point\(s\) with tp=8,pp=8,zero=0,micro_batch=1,ckpt_ratio=1 fit, the fastest: "
+     r".*pipeline_schedule=1f1b"),
+    ("tp=1,pp=1,zero=0,micro_batch=1,ckpt_ratio=1", r"no point with tp=1,pp=1,zero=0,micro_batch=1,ckpt_ratio=1 fits: "
+     r"the smallest predicted peak is"),
+])
+def test_a_pinned_point_that_does_not_fit_names_what_does(capsys, knobs, says):
+    import re
+
+    code = main(["plan", "--model", "llama-70b", "--world-size", "64", "--seq-len", "4096", "--global-batch", "1024",
+                 "--hardware", "a100-80gb", "--memory-budget", "80GiB", "--knobs", knobs])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and re.search(says, err), err

@@ -65,8 +65,14 @@ def _reference(budget: int, top: int, *case) -> dict:
                "stage_blocks": [len(rank_blocks(model.layout.layers, point["pp"], r, point["vpp"] if point["pp"] > 1 else 1))
                                 for r in range(point["pp"])]}
         (rows if verdict.fits else pruned).append(row)
-    rows.sort(key=lambda r: (r["peak"] > budget, -r["throughput"]))
-    return {"points": len(evaluated), "feasible": len(rows), "pruned": len(pruned), "top": rows[:top],
+    rows.sort(key=lambda r: (r["peak"] > budget, -r["throughput"], r["peak"]))
+    layouts, shown = set(), []  # each layout's best row once
+    for r in rows:
+        key = tuple(r["point"][k] for k in ("tp", "pp", "cp"))
+        if key not in layouts:
+            layouts.add(key)
+            shown.append(r)
+    return {"points": len(evaluated), "feasible": len(rows), "pruned": len(pruned), "top": shown[:top],
             "pruned_examples": pruned[:top], "smallest": sorted(pruned, key=lambda r: r["peak"])}
 
 

@@ -28,7 +28,9 @@ CLUSTER_HARDWARE = "a100-80gb"  # planned GPU ranks' hardware when no GPU is vis
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_problem_arguments(p)
-    p.add_argument("--memory-budget", required=True, help="per-device memory, e.g. 80GiB")
+    p.add_argument("--memory-budget", default=None,
+                   help="per-device memory, e.g. 80GiB (default on cuda: the hardware's memory less the reserve "
+                        "tune keeps for the CUDA context and the allocator, 2 GiB + 5 %%)")
     add_device_argument(p, "where the planned ranks would run: cuda (default; no GPU needed here) or cpu")
     add_hardware_argument(p, f"on cuda the GPU visible here, else {CLUSTER_HARDWARE}; on cpu this machine")
     add_precision_argument(p, "bf16 on cuda, fp32 on cpu")
@@ -138,6 +140,8 @@ def _runs(counts: list[int]) -> str:
 
 # what CostModel.layout_floor reads of a point
 _LAYOUT_KNOBS = ("tp", "pp", "dp", "zero")
+# the knobs whose values make a layout the top list shows once (dp follows from them)
+DISTINCT_LAYOUT = ("tp", "pp", "cp")
 
 
 def _search(model, problem, budget: int, top: int) -> _Found:
@@ -156,8 +160,9 @@ def _search(model, problem, budget: int, top: int) -> _Found:
       (:meth:`CostModel.group_verdicts`, which evaluates apart what its stages tell apart);
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
     * step time only for the points that fit (every knob may change it), all at once
-      (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best points
-      that fit (predicted to fit first, then by throughput, then in space order) and the first
+      (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best point of
+      each layout (:data:`DISTINCT_LAYOUT`) that fits (predicted to fit first, then by throughput,
+      then by the lower peak, then in space order) and the first
       pruned ones; the pruned ones of smallest peak when asked (:meth:`_Found.smallest`).
     """
     import numpy as np
@@ -270,7 +275,8 @@ def _search(model, problem, budget: int, top: int) -> _Found:
             firsts += itertools.islice(((i + c, stem, rest) for i, stem, _ in members for c, rest in enumerate(combos)), top)
     found.examples = [_row(model, Plan.of({**raw, **tail}, workload), budget)
                       for _, raw, tail in sorted(firsts, key=operator.itemgetter(0))[:top]]
-    # the points that fit, their knobs as columns: predicted to fit first, then by throughput, then in space order
+    # the points that fit, their knobs as columns: predicted to fit first, then by throughput, then
+    # by the lower peak, then in space order
     fit = np.flatnonzero(oks)
     found.feasible = len(fit)
     used, inverse = np.unique(stem_of[fit], return_inverse=True)
@@ -278,7 +284,15 @@ def _search(model, problem, budget: int, top: int) -> _Found:
                np.array([stems[s][2][k] for s in used.tolist()])[inverse.reshape(-1)] for k in {**stems[0][2], **combos[0]}
                } if len(fit) else {}
     throughputs = model.column_throughputs(columns) if len(fit) else np.zeros(0)
-    best = np.lexsort((index_of[fit], -throughputs, peaks[fit] > budget))
+    # equal predicted speed (points that differ in what the step does not feel): the lower peak
+    # first, the headroom a user would keep
+    best = np.lexsort((index_of[fit], peaks[fit], -throughputs, peaks[fit] > budget))
+    # one row per layout, its best point: the list shows choices of parallelism, not variants of
+    # one (a layout's other knobs are what --knobs pins to see them)
+    present = [k for k in DISTINCT_LAYOUT if k in columns]
+    if present:
+        keys = np.stack([np.asarray(columns[k])[best] for k in present], axis=1)
+        best = best[np.sort(np.unique(keys, axis=0, return_index=True)[1])]
     found.rows = [_row(model, Plan.of(knobs_of(v), workload), budget) for v in fit[best[:top]].tolist()]
     return found
 
@@ -305,20 +319,55 @@ def _recheck_exact(model, rows: list[dict], budget: int) -> None:
         r["exact_peak"] = peaks[r["exact_stage"]]
 
 
+def _pinned_point_refusal(model, problem, knobs: str, row: dict, budget: int) -> str:
+    """Why ``--knobs`` gave no plan: its point (the knobs left out at their first legal value) does
+    not fit, and what does among the points with those knobs held: the fastest that fits, or the
+    one of smallest peak (a user pinning tp, pp and recomputation has not chosen the schedule that
+    came first, gpipe)."""
+    from ..space import format_point
+
+    given = f"{format_point(row['point'])} is predicted at {format_size(row['peak'])}, over {format_size(budget)}"
+    pinned = problem.pinned(knobs)
+    found = _search(model, pinned, budget, 1)
+    if found.rows:
+        best = found.rows[0]
+        return (f"{given}; {found.feasible} point(s) with {knobs} fit, the fastest: {format_point(best['point'])} "
+                f"(peak {format_size(best['peak'])}): pin the knobs that differ")
+    smallest = found.smallest(model, budget, 1)[0]
+    return (f"{given}; no point with {knobs} fits: the smallest predicted peak is {format_size(smallest['peak'])} "
+            f"at {format_point(smallest['point'])}")
+
+
+def _budget(args: argparse.Namespace, setup, hw) -> tuple[int, str]:
+    """The per-device budget and how the header says it: the one given, or on GPU ranks the
+    hardware's memory less the reserve ``tune`` keeps (:func:`~slapo_tune.device.cuda_reserve`)."""
+    from ..device import cuda_reserve
+    from ..errors import UsageError
+    from ..units import parse_size
+
+    if args.memory_budget is not None:
+        budget = parse_size(args.memory_budget)
+        return budget, f"{format_size(budget)} each"
+    if not setup.cuda:
+        raise UsageError("plan for CPU ranks needs --memory-budget (e.g. --memory-budget 4GiB)")
+    reserve = cuda_reserve(hw.memory)
+    return hw.memory - reserve, (f"{format_size(hw.memory - reserve)} each: {format_size(hw.memory)} less "
+                                 f"{format_size(reserve)} reserved, as tune keeps")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cost_model import CostModel
     from ..cost_model.cards import preset_card
     from ..errors import UsageError
     from ..precision import default_precision
     from ..space import format_point
-    from ..units import parse_size
     from . import EXIT_OK
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    budget = parse_size(args.memory_budget)
     # a plan is for a cluster: GPU ranks by default, and nothing of it has to run here
     setup = device_of(args.device or ("cpu" if args.hardware == "cpu" else "cuda"), here=False)
     hw, hardware_line = hardware_of(args, setup, fallback=CLUSTER_HARDWARE)
+    budget, budget_line = _budget(args, setup, hw)
     precision = args.precision or default_precision(setup.kind)
     if args.mode == "exact" and precision == "fp8":  # before the search, not after it
         from ..cost_model.exact import FP8_EXACT_REFUSAL
@@ -345,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         r["mfu"] = model.mfu(r["step_s"], workload.world_size) if r["step_s"] else None
     fallbacks = list(getattr(model.layout, "probe_fallbacks", ()) or ())
+    if not rows and args.knobs:
+        raise UsageError(_pinned_point_refusal(model, problem, args.knobs, row, budget))
     if not rows:
         smallest = found.smallest(model, budget, 1)[0]
         raise UsageError(
@@ -362,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     defaulted = _defaulted(args)
     tokens = workload.global_batch * workload.seq_len
-    print(f"{args.model} on {workload.world_size} x {hw.name} ({format_size(budget)} each), {precision}, global batch "
+    print(f"{args.model} on {workload.world_size} x {hw.name} ({budget_line}), {precision}, global batch "
           f"{workload.global_batch} ({_tokens(tokens)} tokens{', default' if 'global_batch' in defaulted else ''}), "
           f"seq {workload.seq_len}{' (default: ' + _SEQ_DEFAULT[setup.kind] + ')' if 'seq_len' in defaulted else ''}"
           f": {found.points} point(s), {found.feasible} fit, {found.pruned} pruned ({elapsed:.2f} s, template "

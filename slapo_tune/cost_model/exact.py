@@ -143,6 +143,31 @@ def _backend_temporaries(backend: str) -> Iterator[None]:
         dist.reduce_scatter_single = original
 
 
+@contextlib.contextmanager
+def _fused_attention(backend: str) -> Iterator[None]:
+    """On CUDA ranks (NCCL) SDPA runs FlashAttention-2 or the memory-efficient kernel, attention
+    dropout included: neither writes the scores. The fake step runs CPU kernel choices, where
+    dropout sends SDPA to its math fallback, which does; so under NCCL the step's SDPA calls run
+    without dropout, which the CPU's fused kernel takes (a seed and an offset are all the CUDA
+    kernels keep of their dropout)."""
+    if backend == "gloo":
+        yield
+        return
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(*args, **kwargs):
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = (*args[:4], 0.0, *args[5:])
+        kwargs.pop("dropout_p", None)
+        return original(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
 def steady_state_workload(point: Mapping[str, Any], workload: Workload) -> Workload:
     """The same workload with only as many micro-batches as it takes to reach the peak.
 
@@ -199,7 +224,8 @@ def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int
         try:
             topology = init_topology(pp=point["pp"], tp=point["tp"], cp=knob_value(point, "cp"))
             with FakeTensorMode(allow_non_fake_inputs=True), fake_friendly_optimizers(), fake_mask_decisions(), \
-                    _static_pipeline_warmup(), _works_hold_their_tensors(), _backend_temporaries(backend):
+                    _static_pipeline_warmup(), _works_hold_their_tensors(), _backend_temporaries(backend), \
+                    _fused_attention(backend):
                 torch.manual_seed(seed)
                 session = Session(problem, plan, seed=seed, topology=topology)
                 # the whole global batch is alive in a real step, even if fewer micro-batches run
