@@ -40,9 +40,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks._stats import isolated_cache, publish  # noqa: E402
 
 DATA = Path(__file__).with_name("data") / "published_runs.json"
-# the tables' precision names -> ours: llm-foundry's amp_bf16 is autocast over fp32 parameters;
-# its "bf16 PURE" keeps bf16 parameters (our bf16 adds fp32 master weights: more memory, not less)
-PRECISION = {"amp_bf16": "amp-bf16", "bf16": "bf16"}
+# the tables' FSDP mixed precision ("MP Mode") -> ours. Composer's DEFAULT gathers the parameters in
+# the training dtype and reduces gradients in fp32 over fp32 shards (composer/distributed/
+# mosaic_fsdp_utils.py, get_mixed_precision): our bf16 under ZeRO-3 (FSDP2's param_dtype bf16,
+# reduce_dtype fp32), whatever autocast (amp_bf16) adds: with bf16 parameters it casts nothing.
+# PURE also reduces in bf16 (ours in fp32: the same memory, twice the reduce-scatter bytes).
+PRECISION = {"DEFAULT": "bf16", "PURE": "bf16"}
 QUICK = 4  # runs in a --quick pass: the first fitted and the first held-out ones, two each
 TOP = 10  # the published configuration "in the planner's top list" means in its first TOP
 
@@ -65,7 +68,8 @@ def _spec(run: dict):
              "n_inner": m["expansion_ratio"] * m["d_model"], "vocab_size": m["vocab_size"],
              "n_positions": run["seq_len"], "activation_function": "gelu"}
     return ProblemSpec("gpt3-175b", run["gpus"], model_overrides=shape, seq_len=run["seq_len"],
-                       global_batch=run["global_batch"], precision=PRECISION[run["precision"]], device="cuda")
+                       global_batch=run["global_batch"], precision=PRECISION[run["layout"]["mixed_precision"]],
+                       device="cuda")
 
 
 def published_point(run: dict) -> dict:
