@@ -5,7 +5,7 @@ Needs torch and transformers, and Optuna for the tuning run: ``bash benchmarks/g
 installs Optuna from wheels carried in ``.whl/`` when it is missing (``python -m
 benchmarks.gpu_wheels`` puts them there; nothing is downloaded on the GPU machine, no Ray, no
 network). Run from the repository root; sized for under 8 minutes on one GPU. Three parts, run in
-the order 1, 3, 2 (the command line first), and one JSON summary, rewritten after each part so
+the order 1, 3, 2, 4 (the command line first), and one JSON summary, rewritten after each part so
 that a run stopped by its time limit keeps what it did:
 
 1. every template's tiny preset, scheduled (checkpointing, fusion, SDPA), against the unscheduled
@@ -16,7 +16,11 @@ that a run stopped by its time limit keeps what it did:
 3. ``slapo-tune tune --ray-address none`` with its defaults (device cuda, precision bf16 there, the
    hardware detected from the GPU, the budget its memory less the reserve) on a ~350M GPT-2
    (gpt2-medium) for a few trials, then ``slapo-tune train`` on the exported ``best_schedule.json``
-   for a few steps; the tuned throughput and its MFU.
+   for a few steps; the tuned throughput and its MFU;
+4. ``--precision fp8`` (the plan only): the linear layers of a Llama-3-8B block in bf16 and in
+   FP8 through torchao's float8 training (carried as a wheel), forward and backward side by side,
+   the measured speed-up beside the time model's (on a GPU with FP8 tensor cores; the reason it
+   was skipped otherwise).
 
 ``--device cpu --smoke`` runs the same path on CPU with gpt2-tiny, one memory point and one trial
 (under a minute on 2 idle cores; a test runs it).
@@ -115,6 +119,74 @@ def check_memory(setup, hw, model: str, global_batch: int, seq: int, points) -> 
               f"exact {exact / GiB:.3f} ({row['exact_error']:+.1%}), analytic {analytic / GiB:.3f} "
               f"({row['analytic_error']:+.1%})", flush=True)
     return rows
+
+
+# the linear layers of a Llama-3-8B block, over 8 sequences of 1,024 tokens: (tokens, in, out)
+FP8_LINEARS = ((8192, 4096, 6144), (8192, 4096, 4096), (8192, 4096, 28672), (8192, 14336, 4096))
+
+
+def fp8_skip_reason(setup) -> str | None:
+    """Why the FP8 part cannot run on ``setup`` (None: it can): FP8 tensor cores (compute
+    capability 8.9: Ada, 9.0: Hopper) and torchao's float8 training, carried as a wheel."""
+    if not setup.cuda:
+        return "needs a CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        return f"compute capability {major}.{minor} has no FP8 tensor cores (8.9 and up: Ada, Hopper)"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as exc:
+        return f"torchao's float8 training cannot be imported ({exc}): carry its wheel (python -m benchmarks.gpu_wheels)"
+    return None
+
+
+def _fwd_bwd_ms(layer, x, repeats: int = 10) -> float:
+    """Median milliseconds of a forward and backward of ``layer`` on ``x`` (CUDA events)."""
+    times = []
+    for i in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer(x).sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check_fp8(setup, hw) -> dict:
+    """``--precision fp8`` as the plan models it (FP8 matrix products of the linear layers at the
+    preset's ``fp8_flops``, bf16 elsewhere) against torchao's float8 training (tensorwise scaling,
+    what the plan names): each linear layer of a Llama-3-8B block, forward and backward, bf16 and
+    FP8 side by side, the measured speed-up beside the time model's for the same products."""
+    reason = fp8_skip_reason(setup)
+    if reason is not None:
+        print(f"fp8: skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    from torchao.float8 import convert_to_float8_training
+
+    from slapo_tune.cost_model.analytic import gemm_seconds
+
+    rows = []
+    for tokens, k, n in FP8_LINEARS:
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        timed = {}
+        for mode in ("bf16", "fp8"):
+            layer = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to("cuda", torch.bfloat16)
+            if mode == "fp8":
+                convert_to_float8_training(layer)
+            timed[mode] = _fwd_bwd_ms(layer, x)
+        # forward and backward: three products of the layer's shape (output, input and weight gradients)
+        predicted = {fp8: sum(gemm_seconds(hw, *dims, 2, fp8=fp8) for dims in ((tokens, k, n), (tokens, n, k),
+                                                                                (k, tokens, n)))
+                     for fp8 in (False, True)}
+        rows.append({"shape": [tokens, k, n], "bf16_ms": timed["bf16"], "fp8_ms": timed["fp8"],
+                     "measured_speedup": timed["bf16"] / timed["fp8"],
+                     "predicted_speedup": predicted[False] / predicted[True]})
+        print(f"fp8 linear {tokens}x{k}->{n}: bf16 {timed['bf16']:.2f} ms, fp8 {timed['fp8']:.2f} ms "
+              f"(x{rows[-1]['measured_speedup']:.2f}; plan x{rows[-1]['predicted_speedup']:.2f})", flush=True)
+    return {"rows": rows, "measured_speedup_median": statistics.median(r["measured_speedup"] for r in rows),
+            "predicted_speedup_median": statistics.median(r["predicted_speedup"] for r in rows)}
 
 
 def _cli(argv: list[str], timeout: float) -> tuple[int, str, str, float]:
@@ -217,7 +289,8 @@ def main(argv=None) -> int:
         trials, steps = args.tune_trials or 4, args.train_steps or 5
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
         cli = partial(cli_end_to_end, Path(work), model, trials, steps, device_args, tune_args)
-        for name, fn in (("numerics", numerics), ("cli", cli), ("memory", memory)):
+        fp8 = partial(check_fp8, setup, hw)
+        for name, fn in (("numerics", numerics), ("cli", cli), ("memory", memory), ("fp8", fp8)):
             t0 = time.monotonic()
             try:
                 result[name] = fn()

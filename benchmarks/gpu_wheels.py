@@ -6,10 +6,12 @@ of what the tuning run imports and that machine lacks into ``.whl/`` (ignored by
 device tool's ``carry=[".whl"]``), at the versions installed here, which the tests ran with;
 ``benchmarks/gpu_check.sh`` installs them there when ``import optuna`` fails.
 
-Only Optuna and colorlog: with the journal storage the tuner uses, Optuna never imports SQLAlchemy
-or Alembic (the RDB storages' dependencies), and its other needs (numpy, packaging, tqdm, PyYAML)
-are in the GPU machine's image. All are pure-Python wheels (``py3-none-any``). A wheel already in
-pip's cache is copied; any other is fetched with ``pip download`` for the GPU machine's Python 3.12.
+Optuna and colorlog, and torchao for the FP8 part (pinned: :data:`PINNED`). With the journal
+storage the tuner uses, Optuna never imports SQLAlchemy or Alembic (the RDB storages'
+dependencies), and its other needs (numpy, packaging, tqdm, PyYAML) are in the GPU machine's image.
+Optuna and colorlog are pure-Python wheels (``py3-none-any``); torchao's is built for CPython 3.10
+and up (``abi3``). A wheel already in pip's cache is copied; any other is fetched with ``pip
+download`` for the GPU machine's Python 3.12.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import sys
 from pathlib import Path
 
 CARRIED = ("optuna", "colorlog")
+# carried at a pinned version though not installed here (CPU runs need none): torchao's float8
+# training for the GPU check's FP8 part, the release built for the GPU machine's torch 2.11
+# (torchao 0.17.0: ABI-stable against torch 2.11, pytorch/ao issue 2919); 3 MiB
+PINNED = {"torchao": "0.17.0"}
 DEVICE_PYTHON = "3.12"  # the GPU machine's interpreter (pure-Python wheels: any py3 works)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +47,8 @@ def collect(dest: Path = ROOT / ".whl") -> list[Path]:
     """Put the carried wheels, at this machine's versions, into ``dest`` (one version of each)."""
     dest.mkdir(exist_ok=True)
     out = []
-    for name in CARRIED:
-        version = importlib.metadata.version(name)
+    for name in (*CARRIED, *PINNED):
+        version = PINNED.get(name) or importlib.metadata.version(name)
         for old in dest.glob(f"{name}-*.whl"):  # two versions of one package stop the whole install
             if not old.name.startswith(f"{name}-{version}-"):
                 old.unlink()
