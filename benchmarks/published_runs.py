@@ -17,9 +17,10 @@ report gives the fitted and the held-out runs apart.
 The models: MosaicML's MPT (llm-foundry's benchmark tables) are GPT-2-style blocks: LayerNorm, one
 fused QKV projection, multi-head attention (FlashAttention there, SDPA here), a 4h GELU MLP, learned
 positions (the tables' parameter counts grow with the sequence length), tied embeddings, vocabulary
-50,368. They are built as Hugging Face GPT-2 with exact GELU (MPT has no biases: 0.02 % of the
-parameters at 7B). Hugging Face's own ``MptForCausalLM`` has no SDPA path (its eager attention keeps
-``b x heads x s x s`` scores, which the FlashAttention runs never held).
+50,368, biases, no dropout (llm-foundry's ``MPTConfig`` defaults, which the benchmark's yamls keep).
+They are built as Hugging Face GPT-2 with exact GELU and no dropout. Hugging Face's own
+``MptForCausalLM`` has no SDPA path (its eager attention keeps ``b x heads x s x s`` scores, which
+the FlashAttention runs never held).
 
 Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]``; writes
 ``results/benchmarks/published_runs.json``, and ``python -m benchmarks`` puts its section into
@@ -66,7 +67,9 @@ def _spec(run: dict):
     m = run["model"]
     shape = {"n_layer": m["n_layers"], "n_embd": m["d_model"], "n_head": m["n_heads"],
              "n_inner": m["expansion_ratio"] * m["d_model"], "vocab_size": m["vocab_size"],
-             "n_positions": run["seq_len"], "activation_function": "gelu"}
+             "n_positions": run["seq_len"], "activation_function": "gelu",
+             # llm-foundry's MPTConfig defaults (the benchmark yamls set none): no dropout anywhere
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     return ProblemSpec("gpt3-175b", run["gpus"], model_overrides=shape, seq_len=run["seq_len"],
                        global_batch=run["global_batch"], precision=PRECISION[run["layout"]["mixed_precision"]],
                        device="cuda")
