@@ -76,11 +76,15 @@ def _spec(run: dict):
 
 
 def published_point(run: dict) -> dict:
-    """The run's configuration as knobs (FSDP FULL_SHARD: ZeRO-3 over every GPU)."""
+    """The run's configuration as knobs (FSDP FULL_SHARD: ZeRO-3 over every GPU). llm-foundry's MPT
+    computes its loss with flash-attn's fused cross-entropy unless told otherwise (``loss_fn``
+    defaults to ``fused_crossentropy`` in ``ComposerMPTCausalLM``; the benchmark's yamls keep it):
+    the gradient made in place in the logits' buffer, which is our ``loss_parallel=on`` at tp=1."""
     layout, knobs = run["layout"], run["knobs"]
     zero = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}[layout["sharding"]]
     return dict(tp=layout["tp"], pp=layout["pp"], zero=zero, micro_batch=knobs["micro_batch"],
-                ckpt_ratio=1.0 if knobs["activation_checkpointing"] else 0.0, attn="sdpa", fuse="off")
+                ckpt_ratio=1.0 if knobs["activation_checkpointing"] else 0.0, attn="sdpa", fuse="off",
+                loss_parallel="on")
 
 
 def evaluate(run: dict, rank: bool) -> dict:

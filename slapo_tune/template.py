@@ -188,7 +188,9 @@ class Template:
             return ["off", "on"] if p["tp"] > 1 and local % p["tp"] == 0 else ["off"]
 
         def loss_parallel_choices(p: Point) -> list[str]:
-            return ["off", "on"] if p["tp"] > 1 and self.causal_lm else ["off"]
+            # at tp=1: the same loss over the whole vocabulary, computed in place (a fused
+            # cross-entropy, as llm-foundry's and Megatron-LM's): one fp32 buffer, no second copy
+            return ["off", "on"] if self.causal_lm else ["off"]
 
         def vpp_choices(p: Point) -> list[int]:
             if p["pp"] == 1 or p["pipeline_schedule"] == "gpipe":
@@ -228,8 +230,8 @@ class Template:
                  doc="virtual stages per pipeline rank: interleaved 1F1B when > 1 (pp * vpp divides the layers, "
                      "at least pp micro-batches, a whole number of rounds)"),
             Knob("loss_parallel", loss_parallel_choices, ("tp",), kind=str,
-                 doc="vocabulary-parallel loss: the LM head's logits stay sharded over the tp group and the "
-                     "cross-entropy is computed across it (needs tp > 1; causal LMs)"),
+                 doc="fused, vocabulary-parallel loss: the cross-entropy computed in place on the LM head's "
+                     "logits, which stay sharded over the tp group when tp > 1 (causal LMs)"),
             Knob("attn", ["sdpa", "eager"] if info.supports_sdpa else ["eager"], kind=str,
                  doc="attention kernel: sdpa (fused) or eager (materialises the scores)"),
             Knob("fuse", ["off", "on"] if self.has_fusion else ["off"], kind=str,
@@ -242,6 +244,7 @@ class Template:
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
         from ._context_parallel import apply_context_parallel  # (torch: where a model is scheduled)
+        from ._vocab_loss import LOSS_PARALLEL
         from .parallelize import (
             apply_checkpointing,
             apply_pipeline_cuts,
@@ -259,8 +262,11 @@ class Template:
             self.fuse(sch, model)
         sequence_parallel = knob_value(point, "sp") == "on"
         plan = self.plan(model, fused=fused)
-        if knob_value(point, "loss_parallel") == "on" and sch.world_size > 1:
-            plan = vocab_parallel_head(plan)
+        if knob_value(point, "loss_parallel") == "on":
+            if sch.world_size > 1:
+                plan = vocab_parallel_head(plan)
+            else:  # one rank holds the whole vocabulary: only the loss changes (the training step reads the marker)
+                model.__dict__[LOSS_PARALLEL] = 1
         apply_tensor_parallel(sch, plan, sequence_parallel=sequence_parallel)
         blocks = self.block_nodes(sch)
         if sequence_parallel:

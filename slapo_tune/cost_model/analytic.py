@@ -962,7 +962,10 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
                    for k in ("weights", "master", "optimizer")}
     tokens = b * s / knob_value(point, "cp")  # context parallelism: this rank's chunk of each sequence
     # the logits' vocabulary is sharded over the tp group under loss_parallel (a point without it: off)
-    vocab_shards = _pick((tp > 1) & (knob_value(point, "loss_parallel") == "on"), tp, 1)
+    # loss_parallel: the loss in place on the head's logits (the vocabulary-parallel cross-entropy,
+    # over a vocab / tp slice when tp > 1); off: Hugging Face's loss (a point without the knob: off)
+    fused_loss = knob_value(point, "loss_parallel") == "on"
+    vocab_shards = _pick((tp > 1) & fused_loss, tp, 1)
     if linear:
         acts = UNIT_ACTIVATIONS
     elif acts is None:
@@ -1148,8 +1151,8 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # The head's backward then runs beside that gradient: its input's gradient (the whole
         # sequence) and the all-reduced copy of it, and its weight's gradient. Without loss_parallel
         # this moment stays below the two full-width gradients before it.
-        head_backward = 2 * tokens * layout.hidden * B + head_matrix * Pb
-        grad_1 = _pick(vocab_shards > 1, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
+        head_backward = _pick(tp > 1, 2, 1) * tokens * layout.hidden * B + head_matrix * Pb
+        grad_1 = _pick(fused_loss, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
                        2 * loss_1)
         events = {
             # the most micro-batches in flight, before this step's first backward: no gradients yet
