@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks._stats import isolated_cache, median_iqr, round_orders, save_json  # noqa: E402
+from search_spaces.gpt2 import GPT2Template  # noqa: E402
 
 MiB = 2**20
 GPT2_REF = ("gpt2", {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192})
@@ -41,6 +42,17 @@ WORKLOADS = {  # label: (model, world size)
 GLOBAL_BATCH, SEQ, BUDGET = 16, 128, 400 * MiB
 # the exhaustive search, recorded once (``python -m benchmarks.record_grid --reference``)
 EXHAUSTIVE = {"gpt2-ref w1": Path(__file__).with_name("data") / "gpt2_ref_w1.csv"}
+# values the GPT-2 workloads hold of knobs that gained a value after that grid was recorded: the
+# fused loss at tp=1 (loss_parallel=on), which would double a world-1 space the grid measured
+RECORDED_PINS = {"loss_parallel": "off"}
+RECORDED_TEMPLATE = "benchmarks.headline:RecordedGPT2"
+
+
+class RecordedGPT2(GPT2Template):
+    """The GPT-2 template with :data:`RECORDED_PINS` held: the space the reference grid measured."""
+
+    def space(self, info, workload):
+        return super().space(info, workload).pinned(RECORDED_PINS)
 CONTENDERS = 3  # the recorded grid's fastest points, timed again beside the tuned one
 
 
@@ -106,7 +118,7 @@ def problem_spec(model: tuple, world: int, memory_budget: int | None = None) -> 
     from slapo_tune.problem import ProblemSpec
 
     return ProblemSpec(model[0], world, dict(model[1]), global_batch=GLOBAL_BATCH, seq_len=SEQ,
-                       memory_budget=memory_budget)
+                       memory_budget=memory_budget, template=RECORDED_TEMPLATE if model is GPT2_REF else None)
 
 
 def tune(model: tuple, world: int, trials: int, out: Path) -> dict:

@@ -112,10 +112,9 @@ def record(spec: ProblemSpec, points: list[dict], chunk: int, budget: int | None
 
 def record_reference(out: Path, chunk: int, times_from: Path | None) -> None:
     """Every point of the headline's GPT-2 workload (world 1): its measured peak; timed if it fits."""
-    from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
-    from slapo_tune.problem import ProblemSpec
+    from benchmarks.headline import BUDGET, GPT2_REF, problem_spec
 
-    problem = ProblemSpec(GPT2_REF[0], 1, dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH, seq_len=SEQ).resolve()
+    problem = problem_spec(GPT2_REF, 1).resolve()
     rows = record(problem.spec, list(problem.space.enumerate()), chunk, BUDGET, times_from)
     print(f"{sum(1 for r in rows if r['step_s'] != '')} of {len(rows)} points fit {BUDGET / 2**20:.0f} MiB")
     _write(rows, out)

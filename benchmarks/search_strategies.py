@@ -48,15 +48,14 @@ GRIDS = (SMALL, REFERENCE)
 def grid_problem(grid: str, budget: int):
     """The ProblemSpec a recorded grid was measured for (the small one through
     :class:`FixedAttention`: the knobs it held fixed)."""
-    from benchmarks.headline import GLOBAL_BATCH, GPT2_REF, SEQ
+    from benchmarks.headline import GPT2_REF, problem_spec
     from slapo_tune.problem import ProblemSpec
 
     if grid == SMALL:
         return ProblemSpec(GRID["model"], GRID["world_size"], global_batch=GRID["global_batch"],
                            seq_len=GRID["seq_len"], template="benchmarks.search_strategies:FixedAttention",
                            memory_budget=budget)
-    return ProblemSpec(GPT2_REF[0], 1, model_overrides=dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH, seq_len=SEQ,
-                       memory_budget=budget)
+    return problem_spec(GPT2_REF, 1, budget)
 
 
 def load_grid(grid: str | Path = SMALL) -> tuple[list, int]:

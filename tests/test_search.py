@@ -615,7 +615,7 @@ def _recorded(path) -> list[tuple[dict, int]]:
 
 def _grids():
     """(label, cost model, recorded points with their measured peaks, budget) of both grids."""
-    from benchmarks.headline import BUDGET, GLOBAL_BATCH, GPT2_REF, SEQ
+    from benchmarks.headline import BUDGET, GPT2_REF, problem_spec
     from benchmarks.record_grid import DEFAULT_OUT, GRID, REFERENCE_OUT
     from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.problem import ProblemSpec
@@ -625,8 +625,7 @@ def _grids():
     for label, spec, path, budget in (
             ("gpt2-tiny w2", ProblemSpec(GRID["model"], GRID["world_size"], global_batch=GRID["global_batch"],
                                          seq_len=GRID["seq_len"]), DEFAULT_OUT, small_budget),
-            ("gpt2-ref w1", ProblemSpec(GPT2_REF[0], 1, model_overrides=dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH,
-                                        seq_len=SEQ), REFERENCE_OUT, BUDGET)):
+            ("gpt2-ref w1", problem_spec(GPT2_REF, 1), REFERENCE_OUT, BUDGET)):
         model = CostModel(spec.resolve(), hardware("cpu"))
         out.append((label, model, _recorded(path), budget))
     return out
@@ -660,19 +659,9 @@ def test_exact_pruning_never_discards_a_point_measured_to_fit(recorded_grids):
 
 
 def test_recorded_exhaustive_search_is_the_headline_workloads_every_point():
-    from benchmarks.headline import (
-        BUDGET,
-        EXHAUSTIVE,
-        GLOBAL_BATCH,
-        GPT2_REF,
-        SEQ,
-        exhaustive_best,
-        recorded_key,
-    )
-    from slapo_tune.problem import ProblemSpec
+    from benchmarks.headline import BUDGET, EXHAUSTIVE, GPT2_REF, exhaustive_best, problem_spec, recorded_key
 
-    space = ProblemSpec(GPT2_REF[0], 1, model_overrides=dict(GPT2_REF[1]), global_batch=GLOBAL_BATCH,
-                        seq_len=SEQ).resolve().space
+    space = problem_spec(GPT2_REF, 1).resolve().space
     with open(EXHAUSTIVE["gpt2-ref w1"]) as f:
         rows = list(csv.DictReader(f))
     # every legal point of the space, selective recomputation included (sp and vpp need tp, pp > 1)
