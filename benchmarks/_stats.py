@@ -38,6 +38,29 @@ def censored(values: list[float | None]) -> dict[str, float | None]:
             "reached": sum(1 for v in values if v is not None) / len(values)}
 
 
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's over the ranks, tied values sharing their average
+    rank (0.0 when either side is constant)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
 def round_orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
     """The order the variants run in, per round: shuffled with a fixed seed (every rank of a
     launch draws the same orders), so that no variant always runs first, or always after the

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks._stats import isolated_cache, results_dir, save_json  # noqa: E402
+from benchmarks._stats import isolated_cache, results_dir, save_json, spearman  # noqa: E402
 
 MODELS = {
     "gpt2-ref": ("gpt2", {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192}),
@@ -34,21 +34,6 @@ MODELS = {
                                  "num_key_value_heads": 2, "intermediate_size": 1024, "vocab_size": 8192}),
 }
 GLOBAL_BATCH, SEQ = 16, 128
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
-        order = sorted(range(len(x)), key=x.__getitem__)
-        r = [0.0] * len(x)
-        for i, j in enumerate(order):
-            r[j] = float(i)
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else 0.0
 
 
 def _sample(space, n, seed, exclude=()):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks._stats import isolated_cache, publish  # noqa: E402
+from benchmarks._stats import isolated_cache, publish, spearman  # noqa: E402
 
 DATA = Path(__file__).with_name("data") / "published_runs.json"
 # the tables' FSDP mixed precision ("MP Mode") -> ours. Composer's DEFAULT gathers the parameters in
@@ -124,28 +124,6 @@ def _plan_rank(problem, model, budget: int, mine: float) -> dict:
     return {"rank": faster + 1 if faster < len(rows) else None, "plan_best": rows[0]["point"],
             "best_over_published": rows[0]["throughput"] / mine, "plan_seconds": seconds,
             "plan_points": found.points}
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties)."""
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else float("nan")
 
 
 def summarise(rows: list[dict]) -> dict:

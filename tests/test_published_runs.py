@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.published_runs import _spec, load_runs, published_point, spearman
+from benchmarks._stats import spearman
+from benchmarks.published_runs import _spec, load_runs, published_point
 
 
 @pytest.fixture(scope="module")

@@ -680,7 +680,7 @@ def test_time_model_ranks_the_recorded_grid_without_calibration():
     """The uncalibrated time model's Spearman over every timed point of the recorded GPT-2 grid
     (steps measured by the trial runner, not predicted) is at least 0.85. The grid's own noise caps
     it near 0.9 (points that differ only in a knob that changes nothing measured up to 35 % apart)."""
-    from benchmarks.cost_model_accuracy import spearman
+    from benchmarks._stats import spearman
     from benchmarks.headline import EXHAUSTIVE, GLOBAL_BATCH, GPT2_REF, SEQ
     from benchmarks.record_grid import GRID
     from slapo_tune.cost_model import CostModel, hardware
