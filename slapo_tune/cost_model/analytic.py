@@ -861,9 +861,9 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     sel_par = measured.get("sel/par", B * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
     sel_par_1 = tokens * sel_par / tp if selective else 0.0
     sel_1 = tokens * sel_rep + sel_par_1 if selective else 0.0
-    fused_sdpa = attn == "sdpa" and backend == "nccl"
-    score_bytes = 0.0 if fused_sdpa else layout.score_bytes.get(mode.measured_as, {}).get(
-        attn, 2.0 * B if attn == "eager" else 0.0)
+    materialised = scores_materialised(layout, attn, workload.precision, gpu=backend == "nccl")
+    score_bytes = layout.score_bytes.get(mode.measured_as, {}).get(attn, 2.0 * B if attn == "eager" else 0.0) \
+        if materialised else 0.0
     scores_1 = b * (layout.heads / tp) * (s / cp) * s * score_bytes
     # the backward of materialised scores holds two score-sized gradients at once (the softmax's
     # output's and its input's), in the dtype the softmax ran in (measured; textbook: fp32)
@@ -961,7 +961,6 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
     state_bytes = {k: _each(lambda d, k=k: model_state_bytes(workload.precision, level, d)[k], dp)
                    for k in ("weights", "master", "optimizer")}
     tokens = b * s / knob_value(point, "cp")  # context parallelism: this rank's chunk of each sequence
-    # the logits' vocabulary is sharded over the tp group under loss_parallel (a point without it: off)
     # loss_parallel: the loss in place on the head's logits (the vocabulary-parallel cross-entropy,
     # over a vocab / tp slice when tp > 1); off: Hugging Face's loss (a point without the knob: off)
     fused_loss = knob_value(point, "loss_parallel") == "on"
@@ -1141,15 +1140,15 @@ def stage_builder(layout: ModelLayout, point: Mapping[str, Any], workload: Workl
         # log-softmax for backward (fp32 at every precision; the logits themselves are freed), and a
         # pipeline stage keeps its output (the logits, in the compute dtype) until its backward ends.
         # The loss's backward makes two fp32 gradients of that size beside the log-softmax
-        # Under loss_parallel the head's logits stay sharded (vocab / tp) and the vocabulary-parallel
-        # loss keeps one fp32 softmax of that slice, its backward turning it into the gradient in
-        # place: beside it, the head's output while the loss runs, then the gradient's cast to the
-        # compute dtype (one compute-dtype slice either way: "logits_grad")
+        # Under loss_parallel the vocabulary-parallel loss keeps one fp32 softmax of the head's logits
+        # (a vocab / tp slice when tp > 1: they stay sharded), its backward turning it into the
+        # gradient in place: beside it, the head's output while the loss runs, then the gradient's
+        # cast to the compute dtype (one compute-dtype slice either way: "logits_grad")
         loss_1 = tokens * layout.vocab / vocab_shards * LOSS_BYTES if last else 0.0
         out_1 = tokens * layout.vocab / vocab_shards * B if last and pipelined else 0.0
         logits_1 = loss_1 + out_1
         # The head's backward then runs beside that gradient: its input's gradient (the whole
-        # sequence) and the all-reduced copy of it, and its weight's gradient. Without loss_parallel
+        # sequence) and, when tp > 1, the all-reduced copy of it, and its weight's gradient. Without loss_parallel
         # this moment stays below the two full-width gradients before it.
         head_backward = _pick(tp > 1, 2, 1) * tokens * layout.hidden * B + head_matrix * Pb
         grad_1 = _pick(fused_loss, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
@@ -1716,7 +1715,7 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, p
     if gated:
         inside += ROTARY_PASSES * (q + kv)
     kernels = set(attn.tolist()) if isinstance(attn, np.ndarray) else {attn}
-    written = [a for a in kernels if a == "eager" or (not gpu and scores_materialised(layout, a, precision))]
+    written = [a for a in kernels if scores_materialised(layout, a, precision, gpu)]
     scores = np.isin(attn, written) if isinstance(attn, np.ndarray) else attn in written
     inside += choose(scores, SCORE_PASSES * layout.heads * seq_len, 0)
     # sequence parallelism runs what is outside the regions on a sequence shard
@@ -1724,13 +1723,16 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, p
     return outside / choose(sp, tp, 1) + inside / tp
 
 
-def scores_materialised(layout: ModelLayout, attn: str, precision: str) -> bool:
-    """Does the attention kernel write the score matrix? Eager does; SDPA does where the activation
-    probe found it keeping scores in ``precision`` (torch's math fallback: attention dropout on CPU)."""
+def scores_materialised(layout: ModelLayout, attn: str, precision: str, gpu: bool = False) -> bool:
+    """Does the attention kernel write the score matrix? Eager does; SDPA never on a GPU (a fused
+    kernel: FlashAttention-2 or the memory-efficient one, attention dropout included), on a CPU
+    where the activation probe found it keeping scores in ``precision`` (torch's math fallback:
+    attention dropout)."""
     from ..precision import precision as precision_named
 
-    measured_as = precision_named(precision).measured_as
-    return attn == "eager" or layout.score_bytes.get(measured_as, {}).get(attn, 0.0) > 0
+    if attn == "eager":
+        return True
+    return not gpu and layout.score_bytes.get(precision_named(precision).measured_as, {}).get(attn, 0.0) > 0
 
 
 def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1, fp8: bool = False) -> Any:
