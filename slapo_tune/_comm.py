@@ -53,6 +53,14 @@ def is_disabled() -> bool:
     return _DISABLED[0]
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly distributed) tensor this rank holds, sharing its storage: what an
+    in-place collective over this rank's part works on (a gradient under FSDP is a DTensor shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def group_size(group: ProcessGroup | None) -> int:
     """Size of ``group``; 1 when torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():

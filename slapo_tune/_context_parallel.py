@@ -1,13 +1,13 @@
-"""Context parallelism (the ``cp`` knob): each of ``cp`` ranks holds a contiguous chunk of every
-sequence; attention all-gathers keys and values over the cp group, so every query sees the whole
-sequence up to its own global position.
+"""Context parallelism (the ``cp`` knob): each of ``cp`` ranks holds two chunks of every sequence
+(see "Load balance" below); attention all-gathers keys and values over the cp group, so every
+query sees the whole sequence up to its own global position.
 
-* Positions: each rank passes the global ``position_ids`` of its chunk to the model (absolute
+* Positions: each rank passes the global ``position_ids`` of its chunks to the model (absolute
   embeddings and rotary tables see the true positions).
 * Attention: a Hugging Face attention function (:data:`CP_ATTENTION`, registered with
-  ``AttentionInterface``) gathers ``K`` and ``V`` along the sequence (its backward sums their
-  gradients over the group and keeps this rank's slice: a reduce-scatter) and masks causally with
-  the query offset by this rank's chunk start. The model's own mask is not built (its mask function
+  ``AttentionInterface``) gathers ``K`` and ``V`` along the sequence (``_comm.gather_reduce``: its
+  backward reduce-scatters their gradients) and masks causally by the global positions of this
+  rank's queries and of the gathered keys. The model's own mask is not built (its mask function
   returns None): the sequences are unpadded, as every batch the runtime trains on.
 * Loss: labels are shifted over the whole sequence before it is split (a chunk's last token
   predicts the next chunk's first), each rank sums its tokens' cross-entropy and divides by the
@@ -28,39 +28,16 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ._vocab_loss import loss_parallel, vocab_parallel_cross_entropy
+from . import _comm
+from ._vocab_loss import IGNORE_INDEX, loss_parallel, require_causal_lm_loss, vocab_parallel_cross_entropy
 from .errors import ScheduleError
 
-IGNORE_INDEX = -100
 # attention implementations under context parallelism, by the kernel they stand for
 CP_ATTENTION = {"sdpa": "slapo_cp_sdpa", "eager": "slapo_cp_eager"}
 # on the scheduled model's root: the cp degree the template applied (the cp group comes with the build)
 CONTEXT_SHARDS = "_slapo_context_shards"
 
 _state = threading.local()  # the running step's (group, rank, size) while a cp forward runs
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 2 (``[batch, heads, seq, head_dim]``); backward: the gradient summed over
-    the group, this rank's slice (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, size):
-        ctx.group, ctx.rank, ctx.size = group, rank, size
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad.chunk(ctx.size, dim=2)[ctx.rank].contiguous(), None, None, None
-
-
-def gather_sequence(x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
-    return _GatherSequence.apply(x, group, rank, size)
 
 
 class context:
@@ -113,9 +90,8 @@ def _attention(module, query, key, value, attention_mask, *, kernel: str, scalin
     from transformers.integrations.sdpa_attention import repeat_kv
 
     group, rank, size = _current()
-    if size > 1:
-        key = gather_sequence(key, group, rank, size)
-        value = gather_sequence(value, group, rank, size)
+    if size > 1:  # [batch, heads, seq, head_dim]: the ranks' chunks along the sequence, in rank order
+        key, value = _comm.gather_reduce(key, 2, group), _comm.gather_reduce(value, 2, group)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
@@ -178,20 +154,11 @@ def split_sequence(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return x[:, chunk_positions(x.shape[1], rank, size, x.device)]
 
 
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Causal-LM targets: token ``t`` predicts label ``t + 1`` (the last token: ignored)."""
-    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-
-
 def cp_loss_fn(model: torch.nn.Module, tp_group, cp_group):
     """The causal-LM cross-entropy of this rank's chunk against already shifted labels, over the
     token count of the whole micro-batch (summed over ``cp_group``): the cp ranks' losses add up to
     Hugging Face's loss of the whole sequence."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    if getattr(model.loss_function, "__name__", "") != ForCausalLMLoss.__name__:
-        raise ScheduleError(f"cp: {type(model).__name__}'s loss is not the causal-LM cross-entropy "
-                            "context parallelism splits")
+    require_causal_lm_loss(model, "cp", "context parallelism splits")
     sharded = loss_parallel(model)
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

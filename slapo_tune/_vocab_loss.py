@@ -22,14 +22,37 @@ from . import _comm
 from .errors import ScheduleError
 
 IGNORE_INDEX = -100
-# set on the scheduled model's root module (its __dict__, copied with the model's structure) by a
-# tensor-parallel plan whose LM head keeps its output sharded over the vocabulary
+# set on the scheduled model's root module (its __dict__, copied with the model's structure) by
+# :func:`mark_loss_parallel`: the number of vocabulary shards the LM head's logits come in
 LOSS_PARALLEL = "_slapo_loss_parallel"
 
 
+def mark_loss_parallel(root: torch.nn.Module, shards: int) -> None:
+    """Schedule ``root`` for this loss: its LM head's logits come in ``shards`` vocabulary slices
+    (a tensor-parallel plan whose head keeps its output sharded; 1: the whole vocabulary, the loss
+    computed in place all the same)."""
+    root.__dict__[LOSS_PARALLEL] = shards
+
+
 def loss_parallel(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (or a module holding it: a pipeline stage) computes vocabulary-sharded logits."""
+    """Whether ``model`` (or a module holding it: a pipeline stage) was scheduled for this loss
+    (:func:`mark_loss_parallel`)."""
     return any(LOSS_PARALLEL in m.__dict__ for m in model.modules())
+
+
+def require_causal_lm_loss(model: torch.nn.Module, knob: str, does: str) -> None:
+    """Refuse (naming ``knob``) a model whose own loss is not Hugging Face's causal-LM cross-entropy,
+    which the knob computes its own way (``does``: what it does to that loss)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if getattr(model.loss_function, "__name__", "") != ForCausalLMLoss.__name__:
+        raise ScheduleError(f"{knob}: {type(model).__name__}'s loss is not the causal-LM cross-entropy {does}")
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Causal-LM targets, as Hugging Face shifts them: token ``t`` predicts label ``t + 1`` (the last
+    token: ``ignore_index``)."""
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def _reduce(x: torch.Tensor, op, group) -> None:
@@ -86,7 +109,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
         raise ScheduleError(f"vocabulary-parallel loss: logits {tuple(logits.shape)} do not match labels "
                             f"{tuple(labels.shape)}")
     if shift:
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        labels = shift_labels(labels, ignore_index)
     logits = logits.reshape(-1, logits.shape[-1])  # upcast inside, in the buffer the loss keeps
     target = labels.reshape(-1).to(logits.device)
     per_token = _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)

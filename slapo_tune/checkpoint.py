@@ -19,17 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ._atomic import atomic_write_text
+from ._comm import local_tensor
 from ._inputs import read_json_file
 from .errors import UsageError
 
 LATEST = "latest"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly distributed) tensor this rank holds, sharing its storage."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -47,8 +41,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, params: Mapping[str, tor
     names = {p: name for name, p in params.items()}
     state = {
         "step": step,
-        "params": {name: _local(p).detach().clone() for p, name in names.items()},
-        "optimizer": {names[p]: {k: _local(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        "params": {name: local_tensor(p).detach().clone() for p, name in names.items()},
+        "optimizer": {names[p]: {k: local_tensor(v).detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
                       for p, s in optimizer.state.items()},
         "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
@@ -94,14 +88,14 @@ def load_checkpoint(folder: Path, params: Mapping[str, torch.Tensor], optimizer:
         raise UsageError(f"--resume: {folder} holds other parameters than this schedule's stage on rank {rank}")
     with torch.no_grad():
         for name, p in params.items():
-            _local(p).copy_(state["params"][name])
+            local_tensor(p).copy_(state["params"][name])
         for name, saved in state["optimizer"].items():
             p = params[name]
             restored = {}
             for k, v in saved.items():
                 if torch.is_tensor(v) and v.dim() > 0:
                     t = torch.zeros_like(p)
-                    _local(t).copy_(v)
+                    local_tensor(t).copy_(v)
                     restored[k] = t
                 else:
                     restored[k] = v.clone() if torch.is_tensor(v) else v

@@ -30,7 +30,7 @@ from ._partition import (  # noqa: F401  (re-exported)
 from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
 from ._schedule import Schedule, state_of
 from ._sharding import rule_for
-from ._vocab_loss import LOSS_PARALLEL
+from ._vocab_loss import mark_loss_parallel
 from .errors import ScheduleError
 from .styles import (  # noqa: F401  (re-exported)
     Colwise,
@@ -91,7 +91,7 @@ def _apply_style(node: Schedule, style: Style, sequence_parallel: bool = False) 
         if style.gather_output:
             node.sync("fwd_post", "all_gather", axis=-1)
         if style.vocab_parallel_loss:  # the training step's loss reads the marker
-            node.root.mod.__dict__[LOSS_PARALLEL] = node.world_size
+            mark_loss_parallel(node.root.mod, node.world_size)
     elif isinstance(style, Rowwise):
         node.shard("weight", rule_for(node.mod).in_axis.get("weight", 1))
         if sequence_parallel:  # sum the partial output and keep this rank's tokens; the bias follows
@@ -307,7 +307,7 @@ def reduce_sequence_partial_gradients(model: nn.Module, gradient: Callable[[torc
     for param in sequence_partial_parameters(model):
         grad = gradient(param)
         if grad is not None:
-            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            grad = _comm.local_tensor(grad)
             by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])

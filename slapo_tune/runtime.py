@@ -20,10 +20,12 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from ._context_parallel import context, context_shards, cp_loss_fn, shift_labels, split_sequence
+from . import _comm
+from ._context_parallel import context, context_shards, cp_loss_fn, split_sequence
 from ._data_parallel import average_gradients
 from ._pipeline import StageModule, VirtualStages
 from ._schedule import state_of
+from ._vocab_loss import loss_parallel, require_causal_lm_loss, shift_labels, vocab_parallel_cross_entropy
 from .errors import ScheduleError
 from .precision import precision as precision_named
 
@@ -144,14 +146,8 @@ def default_loss_fn(model: torch.nn.Module, tp_group=None) -> Callable[[torch.Te
     """The model's own Hugging Face loss (shifted for causal LMs), applied to logits; for a model
     whose LM head keeps its logits sharded over the vocabulary (``loss_parallel``), the same loss
     computed across the tensor-parallel ``tp_group`` (:func:`~slapo_tune._vocab_loss.vocab_parallel_cross_entropy`)."""
-    from ._vocab_loss import loss_parallel, vocab_parallel_cross_entropy
-
     if loss_parallel(model):
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        if getattr(model.loss_function, "__name__", "") != ForCausalLMLoss.__name__:
-            raise ScheduleError(f"loss_parallel: {type(model).__name__}'s loss is not the causal-LM cross-entropy "
-                                "the vocabulary-parallel loss replaces")
+        require_causal_lm_loss(model, "loss_parallel", "the vocabulary-parallel loss replaces")
 
         def sharded_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels, tp_group, shift=True)
@@ -240,8 +236,6 @@ class TrainStep:
         hidden_seq = seq // self.model.chunks[0].sequence_shards
         hidden = torch.empty(batch, hidden_seq, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        from ._vocab_loss import loss_parallel
-
         # under loss_parallel the last stage's logits are its slice of the vocabulary
         vocab = config.vocab_size // (self.topology.tp if loss_parallel(self.model) else 1)
         logits = torch.empty(batch, seq, vocab, dtype=dtype, device="meta", requires_grad=True)
@@ -381,16 +375,14 @@ class TrainStep:
         if topo.pp > 1 and info.tied:
             for param in self.model.tied_parameters():
                 grad = self.gradient(param)
-                local = grad.to_local() if hasattr(grad, "to_local") else grad
-                dist.all_reduce(local, group=topo.tie_group)
+                dist.all_reduce(_comm.local_tensor(grad), group=topo.tie_group)
         if topo.tp > 1:  # norms and row-parallel biases under sequence parallelism saw a shard of the tokens
             reduce_sequence_partial_gradients(self.model, self.gradient, topo.tp_group)
+        # what the optimizer steps: the fp32 masters under bf16, else the parameters themselves
+        stepped = list(self.model.master.parameters() if self.model.master is not None else self.model.parameters())
         if topo.cp > 1:  # context-parallel ranks saw different tokens of the same sequences: their shares add up
-            params = self.model.master.parameters() if self.model.master is not None else self.model.parameters()
-            for param in params:
-                grad = self.gradient(param) if self.model.master is None else param.grad
-                if grad is not None:
-                    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=topo.cp_group)
+            for param in stepped:
+                if param.grad is not None:
+                    dist.all_reduce(_comm.local_tensor(param.grad), group=topo.cp_group)
         if topo.dp > 1 and self.model.zero == 0:
-            params = self.model.master.parameters() if self.model.master is not None else self.model.parameters()
-            average_gradients(params, topo.dp_group)
+            average_gradients(stepped, topo.dp_group)

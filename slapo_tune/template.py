@@ -244,7 +244,7 @@ class Template:
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
         from ._context_parallel import apply_context_parallel  # (torch: where a model is scheduled)
-        from ._vocab_loss import LOSS_PARALLEL
+        from ._vocab_loss import mark_loss_parallel
         from .parallelize import (
             apply_checkpointing,
             apply_pipeline_cuts,
@@ -265,8 +265,8 @@ class Template:
         if knob_value(point, "loss_parallel") == "on":
             if sch.world_size > 1:
                 plan = vocab_parallel_head(plan)
-            else:  # one rank holds the whole vocabulary: only the loss changes (the training step reads the marker)
-                model.__dict__[LOSS_PARALLEL] = 1
+            else:  # one rank holds the whole vocabulary: only the loss changes
+                mark_loss_parallel(model, 1)
         apply_tensor_parallel(sch, plan, sequence_parallel=sequence_parallel)
         blocks = self.block_nodes(sch)
         if sequence_parallel:
