@@ -152,12 +152,12 @@ def runnable(name: str, setup) -> None:
 
 # GPU models with FP8 tensor cores among those the cost model has presets for (the runtime's layer
 # cannot ask the cost model's presets; a test holds the two in agreement)
-FP8_GPU_MODELS = ("h100", "h200")
+FP8_GPU_MODELS = ("h100", "h200", "b200")
 
 
 def fp8_gpu(name: str) -> bool:
     """Whether a GPU of this name (``torch.cuda.get_device_properties(i).name``) has FP8 tensor cores:
-    the models of the presets with an FP8 rate (H100, H200)."""
+    the models of the presets with an FP8 rate (H100, H200, B200)."""
     lowered = name.lower()
     return any(model in lowered for model in FP8_GPU_MODELS)
 

@@ -3,6 +3,7 @@ follow the closed-form ZeRO / Megatron formulas; calibration improves held-out p
 fast and refuses bad input."""
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -602,8 +603,8 @@ def test_sdpa_on_cuda_ranks_keeps_no_scores_whatever_the_cpu_probe_kept():
 
 def test_plan_breaks_ties_toward_the_lower_peak_and_keeps_tunes_reserve(capsys):
     """Llama-7B on 8 H100s with no budget given: the hardware's memory less the reserve tune keeps.
-    The top list shows each layout once, by its best point; of points predicted equally fast (ZeRO
-    levels of one layout whose communication compute hides) the lower peak."""
+    The top list shows each layout once, by its best point; of points predicted equally fast (at
+    tp=1 the loss in place or not: the same time, not the same memory) the lower peak."""
     from slapo_tune.device import cuda_reserve
 
     argv = ["plan", "--model", "llama-7b", "--world-size", "8", "--hardware", "h100-80gb", "--top", "10", "--json"]
@@ -611,17 +612,19 @@ def test_plan_breaks_ties_toward_the_lower_peak_and_keeps_tunes_reserve(capsys):
     data = json.loads(capsys.readouterr().out)
     memory = hardware("h100-80gb").memory
     assert code == 0 and data["budget"] == memory - cuda_reserve(memory) < memory
-    # the whole card: ZeRO-2 (77.6 GiB) ties ZeRO-3 (65.5 GiB) on the fastest layout
+    # GPT-2 XL, whose fastest layout is tp=1, pp=1: the loss's two ways tie
+    argv[argv.index("llama-7b")] = "gpt2-xl"
     code = main([*argv, "--memory-budget", "80GiB"])
     rows = json.loads(capsys.readouterr().out)["top"]
     layouts = [(r["point"]["tp"], r["point"]["pp"], r["point"]["cp"]) for r in rows]
     assert len(set(layouts)) == len(layouts) > 1
-    problem = ProblemSpec("llama-7b", 8, precision="bf16", device="cuda").resolve()
+    problem = ProblemSpec("gpt2-xl", 8, precision="bf16", device="cuda").resolve()
     model = CostModel(problem, hardware("h100-80gb"))
     best = rows[0]
     ties = []
-    for zero in (0, 1, 2, 3):
-        other = problem.plan({**best["point"], "zero": zero})
+    assert best["point"]["tp"] == 1
+    for zero, loss in itertools.product((0, 1, 2, 3), ("on", "off")):
+        other = problem.plan({**best["point"], "zero": zero, "loss_parallel": loss})
         if model.time(other).throughput(problem.workload) == best["throughput"]:
             ties.append(model.memory(other).peak)
     assert len(ties) > 1 and min(ties) == pytest.approx(best["peak"]) and max(ties) > best["peak"], (best, ties)

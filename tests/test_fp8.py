@@ -3,6 +3,7 @@ against hand-computed figures; refused where no FP8 runs (presets without it, ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -52,10 +53,15 @@ def test_fp8_keeps_less_activation_memory_and_steps_faster_by_the_hand_computed_
     point = {**bf16["point"]}
     h100 = PRESETS["h100-80gb"]
     assert h100.fp8_flops == 2 * h100.flops
-    compute = {p: time_terms(card, point, Workload(8, 64, SEQ, p), h100)["compute"] for p in ("bf16", "fp8")}
-    assert compute["bf16"] == pytest.approx(slots * 3 * (LAYERS * block_flops + head_flops) / 700e12)
-    assert compute["fp8"] == pytest.approx(slots * 3 * (LAYERS * block_flops / 1400e12 + head_flops / 700e12))
-    saved = compute["bf16"] - compute["fp8"]
+    flat = dataclasses.replace(h100, gemm_half_dim=0)  # every product at the large-product rate
+
+    def compute(hw):
+        return {p: time_terms(card, point, Workload(8, 64, SEQ, p), hw)["compute"] for p in ("bf16", "fp8")}
+
+    assert compute(flat)["bf16"] == pytest.approx(slots * 3 * (LAYERS * block_flops + head_flops) / h100.flops)
+    assert compute(flat)["fp8"] == pytest.approx(slots * 3 * (LAYERS * block_flops / h100.fp8_flops
+                                                              + head_flops / h100.flops))
+    saved = compute(h100)["bf16"] - compute(h100)["fp8"]
     assert bf16["step_s"] - fp8["step_s"] == pytest.approx(saved, rel=1e-6)  # nothing else moves
 
 
@@ -66,7 +72,7 @@ def test_fp8_is_refused_on_presets_without_fp8_and_in_exact_mode(capsys):
     assert main([*base, "--hardware", "a100-80gb"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["slapo-tune: error: precision fp8: a100-80gb has no FP8 tensor cores (no "
-                   "fp8_flops); choose an H100-class preset (h100-80gb, h200) or bf16"]
+                   "fp8_flops); choose a preset with FP8 (h100-80gb, h200, b200) or bf16"]
     assert main([*base, "--hardware", "h100-80gb", "--mode", "exact"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exact memory cannot run precision fp8" in err[0]

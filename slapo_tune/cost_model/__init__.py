@@ -139,7 +139,8 @@ class CostModel:
         self.precision = self.workload.precision
         if precision_named(self.precision).fp8 and not device.fp8_flops:
             raise UsageError(f"precision fp8: {device.name} has no FP8 tensor cores (no fp8_flops); "
-                             f"choose an H100-class preset (h100-80gb, h200) or bf16")
+                             f"choose a preset with FP8 ({', '.join(k for k, v in PRESETS.items() if v.fp8_flops)}) "
+                             f"or bf16")
         # the collective backend the ranks would use: its temporaries are part of the peak (gloo
         # reduce-scatters on a full-size copy of the input; NCCL in place)
         self.backend = "gloo" if device.cores else "nccl"

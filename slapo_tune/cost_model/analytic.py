@@ -13,10 +13,13 @@ whether a pipeline defers its reduction (:func:`memory_terms`). What a block kee
 a selectively checkpointed block keeps (:func:`block_activations`); an interleaved pipeline rank
 holds what torch's interleaved 1F1B warm-up leaves in flight (:func:`interleaved_warmup`).
 
-Time is compute (FLOPs at an achievable rate, recomputation included) plus a fixed cost per block
-and micro-batch, plus tensor-parallel, data-parallel (per ZeRO level: all-reduce, or all-gathers in
-the compute dtype and fp32 reduce-scatters) and pipeline communication (alpha-beta), with the
-pipeline bubble ((pp - 1) / (vpp m) of the step): good enough to rank points. Korthikanti et al.'s
+Time is compute (FLOPs at an achievable rate that a GPU's small products reach less of,
+recomputation included), memory-bound passes at memory bandwidth, plus a fixed cost per block and
+micro-batch (on a GPU, FSDP's), plus tensor-parallel, data-parallel (per ZeRO level: all-reduce, or
+all-gathers in the compute dtype and fp32 reduce-scatters, half hidden behind compute on a GPU) and
+pipeline communication (alpha-beta over NVLink inside a node and every NIC of a node across nodes),
+with the pipeline bubble ((pp - 1) / (vpp m) of the step). On llm-foundry's published GPU runs it is
+within 15 % of every one (benchmarks/published_runs.py). Korthikanti et al.'s
 per-layer activation formulas (:func:`megatron_activation_bytes`) are kept for comparison.
 """
 
@@ -155,6 +158,9 @@ class ModelLayout:
     post_sharded: int  # after the blocks (LM head) if not tied to the embedding
     post_replicated: int  # after the blocks (final norm, head transform)
     tied_head: bool
+    # the MLP's activation function as the config names it (``hidden_act`` / ``activation_function``):
+    # how many element-wise passes it makes (:data:`ACTIVATION_OP_PASSES`); "" in layouts from before it
+    activation: str = ""
     # measured by :func:`activation_probe`, per precision (``{"amp-bf16": {"sdpa/off/rep": ...}}``),
     # as the training step runs it: bytes one block saves for its backward per token, and per
     # attention-score element (per head, per query and key), per attention kernel
@@ -171,7 +177,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 4  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 5  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config, template: Template) -> ModelLayout:
@@ -238,12 +244,14 @@ def _measure_layout(config, template: Template) -> ModelLayout:
     inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
              or getattr(config, "n_inner", None) or 4 * hidden)
     gated = any(hasattr(m, "gate_proj") for _, m in block0.named_modules())
+    activation = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None) or ""
     return ModelLayout(
         family=getattr(config, "model_type", "model"), layers=layers, hidden=hidden, heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         intermediate=inter, vocab=config.vocab_size, gated_mlp=gated,
         block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
         pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
+        activation=activation if isinstance(activation, str) else "",
         token_bytes=token_bytes, score_bytes=score_bytes, probe_fallbacks=fallbacks,
     )
 
@@ -1679,18 +1687,33 @@ def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> 
 # code (each op a pass: it reads its inputs and writes its output), counted from the modules:
 # LayerNorm is one kernel (read, write: 2 h); Llama's RMSNorm six ops in fp32 (to, pow, mean, rsqrt,
 # mul, weight mul: ~12 h); two residual additions (read 2, write 1: 6 h); rotary embeddings on q and
-# k (rotate_half's slices and cat, two products, a sum: ~8 per element); GPT-2's tanh GELU eight ops
-# over the MLP width (~17 per element), SiLU and the gate's product (5); fused (bias + activation in
-# one compiled kernel): one read and one write (2, gated 3). Eager attention adds its score passes
+# k (rotate_half's slices and cat, two products, a sum: ~8 per element); the MLP's activation over
+# its width (:func:`activation_passes`); fused (bias + activation in one compiled kernel): one read
+# and one write (2, gated 3). Eager attention adds its score passes
 # per score element (scale, mask, softmax, dropout, cast: ~8); fused SDPA keeps the scores on chip.
 # Backward makes about 1.5 times the forward's traffic: an op's gradient reads its saved input and
 # the incoming gradient and writes one (3 passes where forward makes 2).
 NORM_PASSES = {"layer": 2, "rms": 12}
 RESIDUAL_PASSES = 6
 ROTARY_PASSES = 8
-ACTIVATION_PASSES = {(False, "off"): 17, (False, "on"): 2, (True, "off"): 5, (True, "on"): 3}
+# An activation torch runs as one kernel (exact GELU, tanh GELU as ``gelu_pytorch_tanh``, ReLU, SiLU)
+# reads and writes once: 2 passes; Hugging Face's Python compositions read and write per op: GPT-2's
+# ``gelu_new`` (NewGELU: mul, pow, mul, add, mul, tanh, add, mul) 18, ``gelu_fast`` (nine ops) 21,
+# ``quick_gelu`` (mul, sigmoid, mul) 7. A gated MLP adds the gate's product (reads 2, writes 1)
+ACTIVATION_OP_PASSES = {"gelu_new": 18, "gelu_fast": 21, "quick_gelu": 7}
+ONE_KERNEL_PASSES = 2
+GATE_PASSES = 3
+FUSED_ACTIVATION_PASSES = {False: 2, True: 3}
 SCORE_PASSES = 8
 BACKWARD_TRAFFIC = 1.5
+# The share of FSDP's prefetched traffic that compute hides on a GPU: half. The collectives run on
+# their own streams beside the blocks' kernels but not free of them: NCCL's kernels take SMs and HBM
+# bandwidth from the products they overlap, all-gathers queue behind the reduce-scatters on the one
+# communicator in backward, and each prefetch waits for the memory its limiter frees. Fitted on the
+# published runs not held out (benchmarks/published_runs.py), with the per-block cost and the
+# products' shape efficiency (Hardware.overhead_per_layer, gemm_half_dim): 0.25-0.75 fit within a few
+# per cent on median, 1.0 (everything hidden) made 13B FSDP on 8 H100s 34 % too fast
+FSDP_OVERLAP = 0.5
 # A GPU's fused attention (SDPA: FlashAttention-2 / memory-efficient kernels) runs its FLOPs at
 # about 0.75 of a large GEMM's rate (FlashAttention-2, Dao 2023: 50-73 % of A100 peak forward and
 # backward, against ~80 % for cuBLAS GEMMs)
@@ -1710,7 +1733,7 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, p
     gated = layout.gated_mlp
     q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
     outside = (2 * NORM_PASSES["rms" if gated else "layer"] + RESIDUAL_PASSES) * layout.hidden
-    passes = ACTIVATION_PASSES[(gated, "on")], ACTIVATION_PASSES[(gated, "off")]
+    passes = FUSED_ACTIVATION_PASSES[gated], activation_passes(layout)
     inside = choose((point["fuse"] == "on") & gpu, *passes) * layout.intermediate
     if gated:
         inside += ROTARY_PASSES * (q + kv)
@@ -1721,6 +1744,14 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, p
     # sequence parallelism runs what is outside the regions on a sequence shard
     sp = (tp > 1) & (point["sp"] == "on")
     return outside / choose(sp, tp, 1) + inside / tp
+
+
+def activation_passes(layout: ModelLayout) -> int:
+    """Element-wise passes of the MLP's activation (and a gated MLP's product) per element of its
+    width, unfused (see :data:`ACTIVATION_OP_PASSES`). A layout from before the activation was
+    recorded (``""``) counts GPT-2's composition, or a gated MLP's SiLU."""
+    name = layout.activation or ("silu" if layout.gated_mlp else "gelu_new")
+    return ACTIVATION_OP_PASSES.get(name, ONE_KERNEL_PASSES) + (GATE_PASSES if layout.gated_mlp else 0)
 
 
 def scores_materialised(layout: ModelLayout, attn: str, precision: str, gpu: bool = False) -> bool:
@@ -1735,13 +1766,17 @@ def scores_materialised(layout: ModelLayout, attn: str, precision: str, gpu: boo
     return not gpu and layout.score_bytes.get(precision_named(precision).measured_as, {}).get(attn, 0.0) > 0
 
 
-def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1, fp8: bool = False) -> Any:
+def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: Any = 1, fp8: bool = False,
+                 linear: bool = False) -> Any:
     """One ``m x k @ k x n`` product: a GPU's roofline (FLOPs at its large-GEMM rate, or its
     operands' bytes at memory bandwidth, whichever is longer); a CPU's measured rate by the
     product's rows (:meth:`Hardware.gemm_rate`) on a rank's share of the cores when ``ranks`` run
     on it at once: ``cores // ranks`` threads each, time-sliced when there are more ranks than cores.
     ``fp8``: FP8 operands (1 byte each, the output in ``dtype_bytes``) at the GPU's FP8 rate
-    (:attr:`Hardware.fp8_flops`). Elementwise over arrays of points (:func:`time_columns`)."""
+    (:attr:`Hardware.fp8_flops`). ``linear``: a linear layer's product, whose smallest dimension sets
+    the share of the GPU's rate it reaches (:attr:`Hardware.gemm_half_dim`); attention's batched
+    products over a head's few dimensions are bound by their traffic instead (the roofline).
+    Elementwise over arrays of points (:func:`time_columns`)."""
     flops = 2 * m * k * n
     if hw.cores:
         return flops / hw.gemm_rate(m, larger(1, hw.cores // ranks)) * larger(1.0, ranks / hw.cores)
@@ -1751,6 +1786,12 @@ def gemm_seconds(hw: Hardware, m: Any, k: Any, n: Any, dtype_bytes: int, ranks: 
         traffic, rate = (m * k + k * n) + dtype_bytes * m * n, hw.fp8_flops
     else:
         traffic, rate = dtype_bytes * (m * k + k * n + m * n), hw.flops
+    if linear and hw.gemm_half_dim:
+        # a product's smallest dimension D sets the share of the rate its tiles reach, D^2 / (D^2 + D0^2)
+        # (tiles' fixed costs and the last partial wave weigh less as the product grows; the backward's
+        # two products have the same three dimensions: the same share)
+        smallest = _min(_min(m, k), n) / hw.gemm_half_dim
+        rate = rate * smallest**2 / (smallest**2 + 1)
     return larger(flops / rate, traffic / hw.memory_bandwidth if hw.memory_bandwidth else 0.0)
 
 
@@ -1819,12 +1860,12 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     gemm = functools.partial(gemm_seconds, hw, dtype_bytes=B, ranks=world)
     # the blocks' linear layers (forward and both backward products) in FP8 under precision fp8;
     # the LM head and the attention core in bf16
-    linear_gemm = functools.partial(gemm, fp8=mode.fp8)
+    linear_gemm = functools.partial(gemm, fp8=mode.fp8, linear=True)
     block_gemms = (linear_gemm(tokens, layout.hidden, (q + 2 * kv) / tp) + linear_gemm(tokens, q / tp, layout.hidden)
                    + linear_gemm(tokens, layout.hidden, width / tp)
                    + linear_gemm(tokens, layout.intermediate / tp, layout.hidden))
-    head_gemm = gemm(tokens, layout.hidden, (layout.pre_sharded if layout.tied_head else layout.post_sharded)
-                     / tp / layout.hidden)
+    vocab = (layout.pre_sharded if layout.tied_head else layout.post_sharded) / layout.hidden
+    head_gemm = gemm(tokens, layout.hidden, vocab / tp, linear=True)
     heads = layout.heads / tp
     # SDPA on a GPU: a fused kernel, FlashAttention-2 keeps scores on chip, dropout too; else QK^T
     # and AV: per head, an s x d @ d x s and an s x s @ s x d product
@@ -1846,9 +1887,13 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     slots = m + (pp - 1) / vpp
     compute, attention, elementwise = slots * compute_mb, slots * attention_mb, slots * elementwise_mb
     # a fixed cost per block and micro-batch, and per two collective calls: tensor parallelism's
-    # four all-reduces per block (forward and backward), sequence parallelism's ten (below)
+    # four all-reduces per block (forward and backward), sequence parallelism's ten (below). A GPU's
+    # host runs ahead of the kernels it launches, except where FSDP (ZeRO-2 and 3: a unit per block)
+    # makes it wait: once per block, its hooks before and after each forward and backward
+    level = choose(dp > 1, point["zero"], 0)
     calls = choose(tp > 1, choose(sp, 5, 2), 0)
-    overhead = slots * per_stage * hw.overhead_per_layer * (1 + calls)
+    per_block = choose(level >= 2, 1, 0) if gpu else 1 + calls
+    overhead = slots * per_stage * hw.overhead_per_layer * per_block
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
     # repeat more often
@@ -1892,7 +1937,6 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     # data parallelism: level 0 all-reduces the fp32 gradients once per step, after the backward;
     # FSDP all-gathers the parameters in the compute dtype and reduce-scatters fp32 gradients, as
     # often as its level reshards (see memory_terms); a data-parallel group's ranks are tp apart
-    level = choose(dp > 1, point["zero"], 0)
     dp_stride = tp
     gathers, reduces = fsdp_collectives(level, m, pp, point["pipeline_schedule"])
     gather_s = _ring(stage_params * mode.param_bytes, dp, hw, "all_gather", stride=dp_stride)
@@ -1904,7 +1948,9 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
         # hide behind compute, as long as there is compute to hide behind
         units = larger(1, per_stage)
         exposed = (gather_s + reduce_s) / units
-        fsdp = choose(level >= 2, larger(exposed, fsdp - (compute + attention + elementwise)), fsdp)
+        prefetched = larger(fsdp - exposed, 0.0)
+        hidden_behind = FSDP_OVERLAP * (compute + attention + elementwise)
+        fsdp = choose(level >= 2, exposed + larger(prefetched - hidden_behind, (1 - FSDP_OVERLAP) * prefetched), fsdp)
     dp_comm = choose(level == 0, _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride), fsdp)
     # context-parallel ranks sum their gradients (after FSDP's reduction: a dp shard of them)
     dp_comm = dp_comm + _ring(stage_params * GRAD_BYTES / choose(level > 0, dp, 1), cp, hw, stride=tp)

@@ -33,6 +33,12 @@ def choose(condition: Any, if_true: Any, if_false: Any) -> Any:
     return if_true if condition else if_false
 
 
+def _smaller(a: Any, b: Any) -> Any:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.minimum(a, b)
+    return min(a, b)
+
+
 def larger(a: Any, b: Any) -> Any:
     """``max(a, b)``, elementwise over arrays."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -51,12 +57,20 @@ class Hardware:
     inter_bandwidth: float  # per device, across nodes
     latency: float = 10e-6
     devices_per_node: int = 8
-    overhead_per_layer: float = 0.0  # fixed seconds per block per micro-batch (launches, Python)
+    # fixed seconds per block per micro-batch: on a CPU, Python and the operators' dispatch; on a GPU
+    # (whose host otherwise runs ahead of the kernels it launches), under FSDP's unit per block, its
+    # hooks and the launches the host makes after waiting for the GPU in them
+    overhead_per_layer: float = 0.0
     cores: int = 0  # CPU only: cores shared by the ranks of one node
     # a GEMM over T tokens runs at rate * T / (T + gemm_half_tokens): small micro-batches make
     # small matrices, which no device runs at full rate (0: not measured, every size at full rate).
     # On a CPU this is the figure for all its cores on one GEMM; one thread has no such loss
     gemm_half_tokens: float = 0.0
+    # GPU: a linear layer's product whose smallest dimension is D runs at flops * D^2 / (D^2 + D0^2),
+    # D0 = gemm_half_dim (half the rate at D0; 0: every shape at ``flops``)
+    gemm_half_dim: float = 0.0
+    # NICs a node's rings can drive at once across nodes (0: one per device, rail-optimised)
+    nics_per_node: int = 0
     memory_bandwidth: float = 0.0  # bytes/s per device for streaming kernels (0: not modelled)
     peak_flops: float = 0.0  # the datasheet's dense peak for the training dtype (MFU's denominator; 0: flops)
     # achievable dense FLOP/s of large FP8 GEMMs (precision fp8's linear layers); 0: no FP8 tensor cores
@@ -78,9 +92,10 @@ class Hardware:
         (elementwise over arrays of groups). Across nodes NCCL runs a ring (channel) per NIC: each
         of the group's ranks in a node drives its own NIC (one per GPU, rail-optimised), and each
         ring crosses a node boundary once per node, so the group's bytes leave a node over
-        ``per_node`` NICs at once, up to what NVLink carries inside it; a group with one rank per
-        node (ranks a node apart) has one NIC's bandwidth."""
-        across = self.inter_bandwidth * larger(per_node, 1)
+        ``per_node`` NICs at once (at most the node's ``nics_per_node``), up to what NVLink carries
+        inside it; a group with one rank per node (ranks a node apart) has one NIC's bandwidth."""
+        nics = self.nics_per_node or self.devices_per_node
+        across = self.inter_bandwidth * larger(_smaller(per_node, nics), 1)
         return choose(spans_nodes, choose(across < self.intra_bandwidth, across, self.intra_bandwidth),
                       self.intra_bandwidth)
 
@@ -88,29 +103,27 @@ class Hardware:
         return asdict(self)
 
 
-PRESETS: dict[str, Hardware] = {
-    # flops: what large bf16 GEMMs achieve (cuBLAS, about 80 % of the dense peak on A100 and V100, 70 %
-    # on H100/H200: NVIDIA's "Matrix Multiplication Background" performance guide and published
-    # cuBLAS benchmarks); the time model's roofline caps each product's rate by it (see
-    # analytic.gemm_seconds). peak_flops: the datasheet's dense bf16 (V100: fp16) tensor-core peak.
-    # fp8_flops (H100/H200 only: A100 and V100 have no FP8 tensor cores): the same share of the dense
-    # FP8 peak (1979 TFLOP/s, twice bf16's), 2 x 700e12
-    # NVLink per GPU per direction inside a node, InfiniBand per GPU across nodes (one 200 Gb/s HDR
-    # or 400 Gb/s NDR adapter per GPU); HBM bandwidth from the datasheets
-    "a100-80gb": Hardware("a100-80gb", 80 * GiB, 250e12, 250e9, 25e9, 8e-6, memory_bandwidth=2.0e12,
-                          peak_flops=312e12),
-    "a100-40gb": Hardware("a100-40gb", 40 * GiB, 250e12, 250e9, 25e9, 8e-6, memory_bandwidth=1.55e12,
-                          peak_flops=312e12),
-    "h100-80gb": Hardware("h100-80gb", 80 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=3.35e12,
-                          peak_flops=989e12, fp8_flops=1400e12),
-    "h200": Hardware("h200", 141 * GiB, 700e12, 450e9, 50e9, 6e-6, memory_bandwidth=4.8e12, peak_flops=989e12,
-                     fp8_flops=1400e12),
-    "v100-32gb": Hardware("v100-32gb", 32 * GiB, 100e12, 150e9, 12e9, 10e-6, memory_bandwidth=0.9e12,
-                          peak_flops=125e12),
-}
-# the GPU model each preset describes, as it appears in torch.cuda.get_device_properties(i).name
-# ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200", "Tesla V100-SXM2-32GB")
-PRESET_MODELS = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-80gb": "h100", "h200": "h200", "v100-32gb": "v100"}
+PRESETS_FILE = Path(__file__).with_name("hardware_presets.json")
+PRESET_FIELDS = {"memory_gib", "peak_flops", "flops", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth",
+                 "nics_per_node", "devices_per_node", "latency", "gemm_half_dim", "overhead_per_layer", "fp8_flops"}
+
+
+def load_presets(path: Path = PRESETS_FILE) -> tuple[dict[str, Hardware], dict[str, str]]:
+    """The GPU presets (``hardware_presets.json``: each figure with its source) and the GPU model
+    each describes, as it appears in ``torch.cuda.get_device_properties(i).name`` ("NVIDIA H100
+    80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA H200", "NVIDIA B200", "Tesla V100-SXM2-32GB")."""
+    presets, models = {}, {}
+    for name, entry in json.loads(path.read_text())["presets"].items():
+        figures = {k: v for k, v in entry.items() if k in PRESET_FIELDS}
+        if figures.keys() != PRESET_FIELDS or not entry.get("sources"):
+            raise ValueError(f"{path.name}: preset {name} needs {sorted(PRESET_FIELDS)} and its sources")
+        memory = int(figures.pop("memory_gib") * GiB)
+        presets[name] = Hardware(name, memory, **figures)
+        models[name] = entry["model"]
+    return presets, models
+
+
+PRESETS, PRESET_MODELS = load_presets()
 
 
 def _cache_dir() -> Path:
