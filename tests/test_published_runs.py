@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks._stats import spearman
-from benchmarks.published_runs import _spec, load_runs, published_point
+from benchmarks.published_runs import _spec, data_parallel, load_runs, published_point
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,15 @@ def test_spearman_is_pearson_over_ranks():
     assert spearman(list(xs), list(ys)) == pytest.approx(np.corrcoef(ranks(xs), ranks(ys))[0, 1])
     assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)  # ties share their average rank
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_megatrons_distributed_optimizer_is_zero_1_on_the_published_layout(runs):
+    """NVIDIA's Llama-3 70B rows: TP 4, PP 8, VP 5 on 64 GPUs leaves dp = 2; the distributed optimizer
+    (ZeRO-1), sequence parallelism and an interleaved pipeline, a point the Llama template's space holds."""
+    nvidia = [r for r in runs if "runtime" in r]
+    assert nvidia and all(r["held_out"] for r in nvidia)
+    for run in nvidia:
+        point = published_point(run)
+        assert data_parallel(run) == 2 and point["zero"] == 1 and point["vpp"] == 5 and point["sp"] == "on"
+        plan = _spec(run).resolve().plan(point)
+        assert (plan["tp"], plan["pp"], plan["dp"], plan["vpp"]) == (4, 8, 2, 5)
