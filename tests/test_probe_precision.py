@@ -57,17 +57,17 @@ def test_gpt2_is_measured_in_every_precision_and_amp_is_not_fp32_halved():
 
 def test_each_probe_measurement_fails_alone_and_is_recorded(monkeypatch):
     """A tensor-parallel probe that fails leaves the tp=1 counts measured, and says so."""
-    from slapo_tune.cost_model import analytic
+    from slapo_tune.cost_model import _probe  # where activation_probe reads probe_block
 
     problem = ProblemSpec("gpt2-tiny", 1).resolve()
-    probe_block = analytic.probe_block
+    probe_block = _probe.probe_block
 
     def failing(config, template, point, runs, **kwargs):
         if point["tp"] > 1:
             raise RuntimeError("no fake group today")
         return probe_block(config, template, point, runs, **kwargs)
 
-    monkeypatch.setattr(analytic, "probe_block", failing)
+    monkeypatch.setattr(_probe, "probe_block", failing)
     tokens, scores, fallbacks = activation_probe(problem.config, problem.template, precisions=("fp32",))
     assert tokens["fp32"]["sdpa/off/rep"] > 0 and tokens["fp32"]["sdpa/off/par"] == 0  # measured, kept whole
     assert "fp32" in scores and "sel/rep" in tokens["fp32"]
