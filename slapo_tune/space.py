@@ -214,12 +214,38 @@ class Space:
 
     # ------------------------------------------------------------- checking
     def complete(self, partial: Mapping[str, Any]) -> Point:
-        """A legal point with the given knob values; unspecified knobs take their first legal value.
+        """A legal point with the given knob values; unspecified knobs take their first legal value,
+        or, where that would make a given value illegal, the first that keeps every given one legal
+        (``vpp=2`` alone: an interleaving schedule, not the first schedule, GPipe, which has none).
 
-        Raises :class:`UsageError` naming the knob and its legal values when a value is illegal.
+        Raises :class:`UsageError` naming the knob and its legal values when a value is illegal
+        whatever the unspecified knobs take.
         """
         for name in partial:
             self.knob(name)
+        try:
+            return self._complete_first(partial)
+        except UsageError:
+            found = self._complete_search(dict(partial), {})
+            if found is None:
+                raise
+            return found
+
+    def _complete_search(self, partial: dict[str, Any], point: Point) -> Point | None:
+        """The first legal point, in the knobs' order and each knob's order of values, that holds
+        ``partial``'s values (depth first from ``point``, the knobs before the next one); None if none."""
+        if len(point) == len(self.knobs):
+            return dict(point)
+        knob = self.knobs[len(point)]
+        legal = self.legal_values(knob.name, point)
+        for value in ([partial[knob.name]] if knob.name in partial else legal):
+            if value in legal:
+                found = self._complete_search(partial, {**point, knob.name: value})
+                if found is not None:
+                    return found
+        return None
+
+    def _complete_first(self, partial: Mapping[str, Any]) -> Point:
         point: Point = {}
         for knob in self.knobs:
             legal = self.legal_values(knob.name, point)

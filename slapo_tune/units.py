@@ -6,7 +6,7 @@ import re
 
 from .errors import UsageError
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+_SIZE_UNITS = {"b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
 
@@ -17,9 +17,13 @@ _TEXT_MAX = 40  # characters of a size or duration (a 100,000-digit number is no
 
 
 def parse_size(text: str) -> int:
-    """``80GiB``, ``400MiB``, ``16GB``, ``1.5TiB`` or bytes -> bytes (above 0, at most :data:`MAX_SIZE`)."""
+    """``80GiB``, ``400MiB``, ``16GB``, ``1.5TiB`` or ``1024B`` -> bytes (above 0, at most :data:`MAX_SIZE`).
+    A number without a unit is refused: ``--memory-budget 80`` meant 80 GiB, not 80 bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text)) if len(str(text)) <= _TEXT_MAX else None
     unit = match.group(2).lower() if match else None
+    if match and not unit:
+        raise UsageError(f"size '{str(text).strip()}' has no unit: write it with one (e.g. {match.group(1)}GiB, "
+                         f"{match.group(1)}MiB, or {match.group(1)}B for bytes)")
     if not match or unit not in _SIZE_UNITS:
         raise UsageError(f"unparsable size '{str(text)[:_TEXT_MAX]}' (use e.g. 80GiB, 400MiB, 16GB)")
     value = float(match.group(1)) * _SIZE_UNITS[unit]
@@ -38,6 +42,15 @@ def parse_duration(text: str) -> float:
     if not 0 < seconds <= MAX_DURATION:
         raise UsageError(f"a duration must be above 0 and at most 366 days, got '{text.strip()}'")
     return seconds
+
+
+def size_argument(n: int) -> str:
+    """Bytes as a size :func:`parse_size` reads back exactly: in the largest binary unit that divides
+    them (``80GiB``, ``16MiB``), else in bytes (``1000B``)."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % factor == 0:
+            return f"{n // factor}{unit}"
+    return f"{n}B"
 
 
 def format_size(n: float) -> str:

@@ -14,6 +14,7 @@ from slapo_tune.cost_model.analytic import memory_terms
 from slapo_tune.cost_model.calibration import CALIBRATION_VERSION, MIN_UNCERTAINTY
 from slapo_tune.cost_model.hardware import Hardware
 from slapo_tune.cost_model.measure import measure_points_rank
+from slapo_tune.errors import UsageError
 from slapo_tune.launch import launch
 from slapo_tune.plan import Workload
 from slapo_tune.problem import ProblemSpec
@@ -399,13 +400,26 @@ def test_verdict_prunes_only_beyond_the_uncertainty():
 
 
 @pytest.mark.parametrize("text,expected", [("80GiB", 80 * 2**30), ("400MiB", 400 * 2**20), ("16GB", 16 * 10**9),
-                                           ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024)])
+                                           ("1.5TiB", int(1.5 * 2**40)), ("1024B", 1024)])
 def test_sizes_parse(text, expected):
     assert parse_size(text) == expected
 
 
+def test_a_size_without_a_unit_is_refused_and_sizes_written_back_read_the_same():
+    """``--memory-budget 80`` is not 80 bytes: refused, naming the units; a budget the report writes
+    into its re-run command (bytes) reads back as the same bytes."""
+    from slapo_tune.units import size_argument
+
+    with pytest.raises(UsageError, match="'80' has no unit: write it with one .e.g. 80GiB"):
+        parse_size("80")
+    for n in (80 * 2**30, 16 * 2**20, 1000, 3 * 2**10 + 1, 2**40):
+        assert parse_size(size_argument(n)) == n
+    assert size_argument(80 * 2**30) == "80GiB" and size_argument(1000) == "1000B"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--memory-budget", "80XB"], "unparsable size '80XB'"),
+    (["--memory-budget", "80"], "size '80' has no unit"),
     (["--memory-budget", "80GiB", "--device", "tpu-v9"], "unknown device 'tpu-v9'"),
     (["--memory-budget", "1GiB"], "no point fits 1.00 GiB: smallest predicted peak is"),
 ])

@@ -91,6 +91,22 @@ def test_bad_knobs_are_usage_errors_naming_legal_values():
         coerce(space, {"ckpt_ratio": "half"})
 
 
+def test_unpinned_knobs_take_values_that_keep_the_pinned_ones_legal():
+    """``vpp=2`` alone: the schedule left unpinned is one that interleaves (1F1B), not the first
+    schedule (GPipe), where vpp=2 is illegal; every other knob as the plain completion gives it. A
+    value no completion makes legal is still refused naming its legal values. Ground truth: the
+    space's own enumeration (the first legal point holding the pinned values)."""
+    _, _, space = _space("gpt2-tiny", 4)
+    pinned = {"pp": 2, "vpp": 2, "micro_batch": 2}
+    point = space.complete(pinned)
+    assert point["vpp"] == 2 and point["pipeline_schedule"] != "gpipe"
+    first = next(p for p in space.enumerate() if all(p[k] == v for k, v in pinned.items()))
+    assert point == first
+    assert space.complete({"pp": 2}) == space.complete({"pp": 2, "pipeline_schedule": "gpipe"})  # fast path
+    with pytest.raises(UsageError, match=r"vpp=3 is not legal .* legal values: 1"):
+        space.complete({"pp": 2, "vpp": 3})
+
+
 class _RecordingTrial:
     """Stands in for an Optuna trial asked through LegalDomains: picks a legal value by a seeded
     rule and records every name and the choices it was offered."""

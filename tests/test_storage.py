@@ -108,10 +108,14 @@ def _reproduced(command: str, environ: dict[str, str]):
 def test_the_reproduce_command_reads_the_storage_file_it_was_given(captured_config, tmp_path):
     from slapo_tune.search._report import tune_command
 
+    from slapo_tune.units import parse_size
+
     path = _storage_file(tmp_path, 0o600)
-    command = tune_command(captured_config("--storage-file", str(path)))
+    config = captured_config("--storage-file", str(path))
+    command = tune_command(config)
     args, url = _reproduced(command, {})
     assert args.storage_file == str(path) and args.storage is None and url == URL  # runnable as printed
+    assert parse_size(args.memory_budget) == config.problem.memory_budget  # the same budget, with its unit
     assert "***" not in command and "s3cret" not in command
 
 

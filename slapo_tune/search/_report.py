@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .._atomic import atomic_write, atomic_write_text
 from ..plan import SHORT_NAMES, TrialStatus, is_idle, readable
 from ..space import point_key
-from ..units import format_size
+from ..units import format_size, size_argument
 from ._known import trial_status
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def tune_command(config: Any) -> str:
     p = config.problem
     args = ["slapo-tune", "tune", "--model", p.model, "--world-size", str(p.world_size),
             "--global-batch", str(p.global_batch), "--seq-len", str(p.seq_len), "--precision", p.precision,
-            "--device", p.device, "--memory-budget", str(p.memory_budget), "--strategy", config.strategy,
+            "--device", p.device, "--memory-budget", size_argument(p.memory_budget), "--strategy", config.strategy,
             "--trials", str(config.trials), "--objective", config.objective, "--prune", config.prune,
             "--seed", str(config.seed), "--measured-steps", str(config.measured_steps),
             "--trial-timeout", f"{config.trial_time_limit:g}s", "--confirm", str(config.confirm)]
