@@ -107,7 +107,6 @@ def _reproduced(command: str, environ: dict[str, str]):
 
 def test_the_reproduce_command_reads_the_storage_file_it_was_given(captured_config, tmp_path):
     from slapo_tune.search._report import tune_command
-
     from slapo_tune.units import parse_size
 
     path = _storage_file(tmp_path, 0o600)
