@@ -81,15 +81,15 @@ def _spec(run: dict):
 
     m = run["model"]
     if "preset" in m:  # a family with a template of its own, at the published shape
-        return ProblemSpec(m["preset"], run["gpus"], model_overrides=m["overrides"], seq_len=run["seq_len"],
-                           global_batch=run["global_batch"], precision=PRECISION[run["layout"]["mixed_precision"]],
-                           device="cuda")
-    shape = {"n_layer": m["n_layers"], "n_embd": m["d_model"], "n_head": m["n_heads"],
-             "n_inner": m["expansion_ratio"] * m["d_model"], "vocab_size": m["vocab_size"],
-             "n_positions": run["seq_len"], "activation_function": "gelu",
-             # llm-foundry's MPTConfig defaults (the benchmark yamls set none): no dropout anywhere
-             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    return ProblemSpec("gpt3-175b", run["gpus"], model_overrides=shape, seq_len=run["seq_len"],
+        preset, shape = m["preset"], m["overrides"]
+    else:  # MPT: GPT-2 blocks at its shape
+        preset = "gpt3-175b"
+        shape = {"n_layer": m["n_layers"], "n_embd": m["d_model"], "n_head": m["n_heads"],
+                 "n_inner": m["expansion_ratio"] * m["d_model"], "vocab_size": m["vocab_size"],
+                 "n_positions": run["seq_len"], "activation_function": "gelu",
+                 # llm-foundry's MPTConfig defaults (the benchmark yamls set none): no dropout anywhere
+                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return ProblemSpec(preset, run["gpus"], model_overrides=shape, seq_len=run["seq_len"],
                        global_batch=run["global_batch"], precision=PRECISION[run["layout"]["mixed_precision"]],
                        device="cuda")
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .hardware import choose, larger, smaller
+
 
 def _nonzero(terms: dict[str, float]) -> dict[str, float]:
     """The terms that hold bytes (events stay small: plan evaluates ~100k of them)."""
@@ -70,19 +72,8 @@ def _scalar(value):
     return value
 
 
-def _pick(condition, if_true, if_false):
-    """``if_true if condition else if_false``, row by row for a batch."""
-    if isinstance(condition, np.ndarray):
-        return np.where(condition, if_true, if_false)
-    return if_true if condition else if_false
-
-
-def _min(a, b):
-    return np.minimum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else min(a, b)
-
-
-def _max(a, b):
-    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+# row by row for a batch: the time model's elementwise selections (one definition of each)
+_pick, _min, _max = choose, smaller, larger
 
 
 def _any(x) -> bool:

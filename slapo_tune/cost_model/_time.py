@@ -384,8 +384,8 @@ def _communication_terms(layout: ModelLayout, point: Mapping[str, Any], hw: Hard
     fsdp = gathers * gather_s + reduces * reduce_s
     if gpu:
         # FSDP prefetches the next block's gathers and reduces the previous block's gradients on
-        # their own streams (level 2 and 3): all but one block's first gather and last reduction
-        # hide behind compute, as long as there is compute to hide behind
+        # their own streams (level 2 and 3): one block's first gather and last reduction are exposed,
+        # and of the rest what FSDP_OVERLAP of the compute cannot hide, at least 1 - FSDP_OVERLAP
         compute, attention, elementwise = busy
         units = larger(1, per_stage)
         exposed = (gather_s + reduce_s) / units

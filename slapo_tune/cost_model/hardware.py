@@ -33,7 +33,8 @@ def choose(condition: Any, if_true: Any, if_false: Any) -> Any:
     return if_true if condition else if_false
 
 
-def _smaller(a: Any, b: Any) -> Any:
+def smaller(a: Any, b: Any) -> Any:
+    """``min(a, b)``, elementwise over arrays."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.minimum(a, b)
     return min(a, b)
@@ -95,9 +96,8 @@ class Hardware:
         ``per_node`` NICs at once (at most the node's ``nics_per_node``), up to what NVLink carries
         inside it; a group with one rank per node (ranks a node apart) has one NIC's bandwidth."""
         nics = self.nics_per_node or self.devices_per_node
-        across = self.inter_bandwidth * larger(_smaller(per_node, nics), 1)
-        return choose(spans_nodes, choose(across < self.intra_bandwidth, across, self.intra_bandwidth),
-                      self.intra_bandwidth)
+        across = self.inter_bandwidth * larger(smaller(per_node, nics), 1)
+        return choose(spans_nodes, smaller(across, self.intra_bandwidth), self.intra_bandwidth)
 
     def as_dict(self) -> dict:
         return asdict(self)
