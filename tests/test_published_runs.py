@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
+import benchmarks.published_runs as published_runs
 from benchmarks._stats import spearman
-from benchmarks.published_runs import _spec, data_parallel, load_runs, published_point
+from benchmarks.published_runs import _spec, data_parallel, framework_pins, load_runs, published_point
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,51 @@ def test_megatrons_distributed_optimizer_is_zero_1_on_the_published_layout(runs)
         assert data_parallel(run) == 2 and point["zero"] == 1 and point["vpp"] == 5 and point["sp"] == "on"
         plan = _spec(run).resolve().plan(point)
         assert (plan["tp"], plan["pp"], plan["dp"], plan["vpp"]) == (4, 8, 2, 5)
+
+
+def test_each_published_point_lies_in_its_frameworks_space(runs):
+    """The framework spaces the ranking searches hold what the experts ran: every pinned knob has
+    the published value, every free one a published value among the framework's choices, and the
+    pinned sets are the product of those choices (llm-foundry: 3 ZeRO levels x checkpointing on/off)."""
+    for run in runs:
+        point, pins = published_point(run), framework_pins(run["framework"])
+        assert any(all(point.get(k, v) == v for k, v in pinned.items()) for pinned in pins), run["id"]
+        _spec(run).resolve().pinned(next(p for p in pins if all(point.get(k, v) == v for k, v in p.items())))
+    foundry = next(r for r in runs if r["source"]["repository"] == "mosaicml/llm-foundry")["framework"]
+    pins = framework_pins(foundry)
+    assert len(pins) == 6 and {(p["zero"], p["ckpt_ratio"]) for p in pins} == {(z, c) for z in (0, 2, 3) for c in (0.0, 1.0)}
+    assert all(p["tp"] == 1 and p["pp"] == 1 for p in pins)
+
+
+def test_a_run_of_an_undescribed_framework_is_refused(runs, tmp_path):
+    path = tmp_path / "runs.json"
+    bad = {k: v for k, v in runs[0].items() if k != "framework"}
+    path.write_text(json.dumps({"version": 1, "frameworks": {}, "runs": [bad]}))
+    with pytest.raises(ValueError, match="no framework described"):
+        load_runs(path)
+
+
+def test_the_rank_counts_only_points_predicted_to_fit(monkeypatch):
+    """A point that might fit only within the prediction's uncertainty (peak over the budget) does
+    not outrank the published configuration, and the first choice is predicted to fit."""
+    import slapo_tune.cli.plan as plan
+
+    rows = [{"point": {"tp": 2}, "fits": True, "peak": 90, "throughput": 30.0},  # over budget 80
+            {"point": {"tp": 4}, "fits": True, "peak": 70, "throughput": 12.0},
+            {"point": {"tp": 8}, "fits": True, "peak": 60, "throughput": 9.0}]
+
+    class Found:
+        points = 3
+
+    found = Found()
+    found.rows = rows
+
+    class Problem:
+        def pinned(self, pins):
+            return self
+
+    monkeypatch.setattr(plan, "_search", lambda *a, **k: found)
+    got = published_runs._plan_rank(Problem(), None, 80, 10.0, [{}])
+    assert got["rank"] == 2 and got["plan_best"] == {"tp": 4} and got["best_over_published"] == pytest.approx(1.2)
+    # slower than every point listed, still within the first 10: its place, not "not listed"
+    assert published_runs._plan_rank(Problem(), None, 80, 5.0, [{}])["rank"] == 3

@@ -144,7 +144,7 @@ _LAYOUT_KNOBS = ("tp", "pp", "dp", "zero")
 DISTINCT_LAYOUT = ("tp", "pp", "cp")
 
 
-def _search(model, problem, budget: int, top: int) -> _Found:
+def _search(model, problem, budget: int, top: int, distinct: tuple[str, ...] = DISTINCT_LAYOUT) -> _Found:
     """Every legal point's verdict, and the rows ``plan`` shows, as evaluating each point fully
     (:func:`_row`) and sorting would give, for less:
 
@@ -161,7 +161,7 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     * the pruned points are bounded together (per prefix or group) and listed only when asked;
     * step time only for the points that fit (every knob may change it), all at once
       (:meth:`CostModel.column_throughputs`); full rows only for the shown ones: the best point of
-      each layout (:data:`DISTINCT_LAYOUT`) that fits (predicted to fit first, then by throughput,
+      each layout (``distinct``'s knobs; ``()``: every point) that fits (predicted to fit first, then by throughput,
       then by the lower peak, then in space order) and the first
       pruned ones; the pruned ones of smallest peak when asked (:meth:`_Found.smallest`).
     """
@@ -289,7 +289,7 @@ def _search(model, problem, budget: int, top: int) -> _Found:
     best = np.lexsort((index_of[fit], peaks[fit], -throughputs, peaks[fit] > budget))
     # one row per layout, its best point: the list shows choices of parallelism, not variants of
     # one (a layout's other knobs are what --knobs pins to see them)
-    present = [k for k in DISTINCT_LAYOUT if k in columns]
+    present = [k for k in distinct if k in columns]
     if present:
         keys = np.stack([np.asarray(columns[k])[best] for k in present], axis=1)
         best = best[np.sort(np.unique(keys, axis=0, return_index=True)[1])]
