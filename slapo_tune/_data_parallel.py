@@ -24,8 +24,8 @@ replicated parameters (so bf16 training would keep every fp32 master weight on e
 broadcasts each updated parameter; FSDP2 with one unit gives ZeRO-1's memory with one collective
 each way, shares the state-dict and mixed-precision path of levels 2 and 3, and lets the pipeline
 schedule handle every level alike. Under pipelining (pp > 1), torch's schedule turns gradient sync
-and resharding after backward off until the step's last backward at every level (see the README's
-cost-model section): gradients and parameters of the stage stay whole until then.
+and resharding after backward off until the step's last backward at every level (see
+docs/cost-model.md): gradients and parameters of the stage stay whole until then.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every call maps onto slapo-tune's own primitives, with Slapo's argument names, d
 values: ``sync(mode, sync_op_or_fn, axis=0)`` with hook functions, ``find`` returning
 ``[[(parent_name, node), ...]]`` (``[]`` when nothing matches), ``replace_all(type, fn(name, mod))``,
 ``checkpoint(subgraph)``, ``fuse(subgraph, compiler="TorchScript")``, ``build`` returning
-``(model, optimizer)``, ``Verify`` as a context manager. The README's "Running Slapo schedules"
+``(model, optimizer)``, ``Verify`` as a context manager. docs/schedule-language.md's "Running Slapo schedules"
 section lists what differs and why.
 """
 

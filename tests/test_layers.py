@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("slapo_tune", "search_spaces", "runners")
 
-# Bottom to top, as the README's layout section states them. A module belongs to the first layer
+# Bottom to top, as docs/development.md's layout section states them. A module belongs to the first layer
 # with an entry equal to its name or a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedule language and runtime", (
@@ -86,7 +86,7 @@ def layer_of(module: str) -> int:
             return index
     if module == "slapo_tune":  # the package root re-exports the public API: it sits on top
         return len(LAYERS) - 1
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and the README's layout section)")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and docs/development.md's layout section)")
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:

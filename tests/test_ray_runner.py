@@ -102,7 +102,7 @@ def test_attaching_without_the_token_is_one_line_and_rays_messages_go_to_the_log
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0] == (f"slapo-tune: error: the Ray cluster at {ray_cluster.address} uses token authentication: "
                         "set RAY_AUTH_MODE=token and copy the cluster's token (on the head: ray get-auth-token) to "
-                        "~/.ray/auth_token here, or name its file in RAY_AUTH_TOKEN_PATH (see README, 'Ray clusters')")
+                        "~/.ray/auth_token here, or name its file in RAY_AUTH_TOKEN_PATH (see docs/ray-clusters.md)")
     assert "InvalidAuthToken" in (out / "ray.log").read_text()  # Ray's own lines: kept, off the console
 
 

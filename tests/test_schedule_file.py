@@ -55,7 +55,7 @@ def test_missing_and_truncated_files(tmp_path):
         read_schedule(path)
 
 
-# The file format as the README documents it (Tuning, Outputs): written out here, not read from the code.
+# The file format as docs/tuning.md documents it (Outputs): written out here, not read from the code.
 REQUIRED = ("format", "version", "template", "knobs", "world_size", "layout", "global_batch", "micro_batch",
             "accumulation", "seq_len", "precision", "model", "device")
 OPTIONAL = ("versions", "measured", "predicted", "study", "created")

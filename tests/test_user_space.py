@@ -31,7 +31,7 @@ def schedule(sch, point):
 
 
 def _readme_space() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "search-spaces.md").read_text()
     return re.search(r"### Knobs of your own\n.*?```python\n# my_space.py\n(.*?)```", text, re.S).group(1)
 
 
@@ -43,7 +43,7 @@ def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
 
 
 def test_the_readme_knob_is_tuned_exported_and_trained(tmp_path, capfd, monkeypatch, no_leftover_children):
-    """The README's file, as written: ``tune`` explores its knob's two values (each trial a rank
+    """The documented file (docs/search-spaces.md), as written: ``tune`` explores its knob's two values (each trial a rank
     process of its own, loading the file by its path), the exported schedule names the file by
     path and SHA-256 (computed here with hashlib), ``train`` runs it (its one rank in this
     process), and refuses it in one line once the file changed or is gone."""

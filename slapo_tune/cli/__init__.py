@@ -2,7 +2,7 @@
 ``add_arguments(parser)`` and ``run(args) -> exit code``.
 
 Every command turns bad input into one line on stderr and an exit code a scheduler can act on
-(the table in README, "Exit codes"), never a traceback. SIGTERM is taken as Ctrl-C is (see
+(the table in docs/cli.md), never a traceback. SIGTERM is taken as Ctrl-C is (see
 ``._signals``).
 """
 

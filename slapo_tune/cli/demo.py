@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def demo_rank(ctx, spec: ProblemSpec) -> str:
-    """The README's 20-line example, as one rank runs it, with the plan of the problem's template."""
+    """The 20-line example of docs/schedule-language.md, as one rank runs it, with the plan of the problem's template."""
     import torch
 
     from .._build import build

@@ -234,7 +234,7 @@ def _sigterm_handler_kept():
 
 
 TOKEN_HELP = ("copy the cluster's token (on the head: ray get-auth-token) to ~/.ray/auth_token here, or name its "
-              "file in RAY_AUTH_TOKEN_PATH (see README, 'Ray clusters')")
+              "file in RAY_AUTH_TOKEN_PATH (see docs/ray-clusters.md)")
 
 
 def _check_token(address: str) -> None:
