@@ -232,3 +232,63 @@ def test_export_names_what_is_wrong_with_the_study_asked_for(tmp_path, capsys):
     assert code == 2 and err.strip().endswith("no study 'c' in " + str(journal) + " (it holds: a, b)"), err
     code, _, err = _run(capsys, "export", "--storage", str(journal), "--study", "a", "--out", str(tmp_path / "o"))
     assert code == 2 and "study 'a' in " in err and "was not written by slapo-tune tune" in err, err
+
+
+PLAN_CASES = {  # the issue's command, and one model of each other template (generic: llama-7b's config)
+    "llama-70b": ["--model", "llama-70b", "--world-size", "64", "--hardware", "h100-80gb", "--precision", "bf16",
+                  "--seq-len", "4096", "--global-batch", "1024"],
+    "gpt2-xl": ["--model", "gpt2-xl", "--world-size", "8", "--hardware", "a100-40gb"],
+    "bert-large": ["--model", "bert-large", "--world-size", "8", "--hardware", "a100-40gb"],
+    "opt-1.3b": ["--model", "opt-1.3b", "--world-size", "16", "--hardware", "v100-32gb", "--top", "8"],
+    "generic": ["--model", "llama-7b", "--space", "generic", "--world-size", "8", "--seq-len", "1024",
+                "--global-batch", "64"],
+}
+
+
+@pytest.mark.parametrize("argv", PLAN_CASES.values(), ids=PLAN_CASES)
+def test_plan_fits_100_columns_and_keeps_what_it_found(capsys, argv):
+    """``plan``'s text: every line within 100 columns (a point was one 150-column ``k=v,...``
+    string, its memory a 300-column line), and nothing of what ``--json`` holds lost: the counts,
+    each shown point's number, knobs (a table under short names, with a legend; the knobs every
+    row shares on a line above it), peak, step time and each part of its peak."""
+    from slapo_tune.plan import SHORT_NAMES
+    from slapo_tune.units import format_size
+
+    code, out, _ = _run(capsys, "plan", *argv, "--json")
+    data = json.loads(out)
+    assert code == 0
+    code, out, _ = _run(capsys, "plan", *argv)
+    lines = out.splitlines()
+    assert code == 0 and max(map(len, lines)) <= 100, max(lines, key=len)
+    assert f"{data['points']} point(s), {data['feasible']} fit, {data['pruned']} pruned" in lines[0]
+    shared = next(line for line in lines if line.startswith(("every row: ", "knobs: ")))
+    header = next(line.split() for line in lines if line.split()[0] == "#")
+    columns = header[1:header.index("peak")]
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[0].isdigit()}
+    assert len(rows) == len(data["top"])
+    for number, top in enumerate(data["top"], 1):
+        cells = rows[str(number)]
+        assert dict(zip(columns, cells[1:])) == {SHORT_NAMES.get(k, k): str(v) for k, v in top["point"].items()
+                                                 if SHORT_NAMES.get(k, k) in columns}
+        assert " ".join(cells[len(columns) + 1:len(columns) + 4]) == f"{format_size(top['peak'])} {top['step_s']:.3f}"
+        details = out.split(f"\n{number:>3}. ")[1].split(f"\n{number + 1:>3}. ")[0]
+        assert f"peak {format_size(top['peak'])} (stage {top['stage']}; up to {format_size(top['upper'])}" in details
+        assert all(f"{k} {format_size(v)}" in details for k, v in top["breakdown"].items() if v >= 2**20)
+    best = data["top"][0]["point"]
+    named = {**dict(zip(columns, rows["1"][1:])), **dict(item.split("=") for item in shared.split(": ", 1)[1].split())}
+    assert named == {SHORT_NAMES.get(k, k): str(v) for k, v in best.items()}  # every knob of the best point
+    legend = " ".join(lines)
+    assert all(f"{short} = {k}" in legend for k, short in SHORT_NAMES.items() if short in named)
+
+
+def test_a_table_wider_than_100_columns_continues_below_with_its_row_numbers():
+    from slapo_tune.cli._common import WIDTH, table
+
+    header = ["#", *(f"knob{i:02}" for i in range(20))]
+    rows = [header, *([str(n), *(f"v{n}.{i}" for i in range(20))] for n in (1, 2, 10))]
+    lines = table(rows, right={0})
+    assert max(map(len, lines)) <= WIDTH and len(lines) == 4 * 2  # two blocks of 4 lines
+    assert [line.split()[0] for line in lines] == ["#", "1", "2", "10"] * 2
+    assert lines[3].startswith("10 ") and lines[1].startswith(" 1 ")  # the numbers right-aligned
+    for row in rows:  # each cell once, beside its row's number
+        assert [c for line in lines if line.split()[0] == row[0] for c in line.split()[1:]] == row[1:]

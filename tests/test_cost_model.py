@@ -461,7 +461,7 @@ def test_plan_one_point_prints_its_breakdown(capsys):
     code = main(["plan", "--model", "llama-7b", "--world-size", "8", "--memory-budget", "80GiB", "--seq-len", "128", "--global-batch", "64",
                  "--knobs", "tp=2,pp=2,ckpt_ratio=0.5"])
     out = capsys.readouterr().out
-    assert code == 0 and "1 point(s)" in out and "tp=2,pp=2,cp=1,sp=off,dp=2" in out and "weights" in out
+    assert code == 0 and "1 point(s)" in out and "knobs: tp=2 pp=2 cp=1 sp=off dp=2" in out and "weights" in out
 
 
 def _reduce_scatter(tracker) -> int:

@@ -104,8 +104,8 @@ def test_plan_defaults_are_a_real_runs_and_the_header_says_so(capsys):
     assert abs(data["global_batch"] * 4096 - DEFAULT_GLOBAL_TOKENS) <= 64 * 4096 / 2
     assert data["defaults"] == ["global_batch", "seq_len"]
     assert main(["plan", "--model", "llama-7b", "--world-size", "64", "--memory-budget", "80GiB", "--top", "1"]) == 0
-    header = capsys.readouterr().out.splitlines()[0]
-    assert "global batch 1024 (4.2M tokens, default)" in header and "seq 4096 (default: the model's context length)" in header
+    workload = capsys.readouterr().out.splitlines()[1]  # (the first line: the model, world and counts)
+    assert "global batch 1024 (4.2M tokens, default)" in workload and "seq 4096 (default: the model's context length)" in workload
     cpu = ProblemSpec("gpt2-tiny", 2).resolve().workload
     assert (cpu.seq_len, cpu.global_batch) == (128, 16)
 

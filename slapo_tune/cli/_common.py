@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._inputs import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ_LEN, MAX_WORLD_SIZE
@@ -168,3 +169,50 @@ def add_storage_arguments(p: argparse.ArgumentParser, default_help: str) -> None
     where.add_argument("--storage-file", default=None, metavar="PATH",
                        help="read the storage URL from this file's first line, keeping a password off the "
                             "command line")
+
+
+WIDTH = 100  # the columns a command's text fits (show's table, plan's lines)
+
+
+def wrapped(text: str | Sequence[str], indent: str = "", then: str = "  ", sep: str = ", ") -> list[str]:
+    """``text`` as lines within :data:`WIDTH` columns, the first indented by ``indent``, the others
+    by ``then``; broken at spaces only (``llama-70b`` stays whole) unless one word is wider. A
+    sequence of phrases is joined by ``sep`` and broken between phrases only (``548.5 MiB`` whole)."""
+    import textwrap
+
+    if not isinstance(text, str):  # a no-break space inside a phrase: textwrap breaks at ASCII blanks only
+        return [line.replace("\xa0", " ") for line in wrapped(sep.join(p.replace(" ", "\xa0") for p in text),
+                                                                indent, then)]
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=then, break_on_hyphens=False)
+
+
+def aligned(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    """Rows of cells as lines, one space apart, each column as wide as its widest cell (the columns
+    in ``right`` right-aligned, the others left-aligned and padded: a caller may add a column)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
+    return [" ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
+def table(rows: list[list[str]], right: set[int] = frozenset(), keep: int = 1) -> list[str]:
+    """:func:`aligned` rows (the first the header), within :data:`WIDTH` columns: columns that do not
+    fit beside the others come in a further block below, each block led by the first ``keep``
+    columns again (a row's number), as pandas wraps a wide frame."""
+    if not rows:
+        return []
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lead = sum(widths[:keep]) + keep  # the kept columns and their separators
+    blocks: list[list[int]] = [[]]
+    used = lead
+    for i in range(keep, len(widths)):
+        if blocks[-1] and used + widths[i] > WIDTH:
+            blocks.append([])
+            used = lead
+        blocks[-1].append(i)
+        used += widths[i] + 1
+    lines: list[str] = []
+    for block in blocks:
+        columns = [*range(keep), *block]
+        lines += [line.rstrip() for line in aligned([[row[i] for i in columns] for row in rows],
+                                                    {n for n, i in enumerate(columns) if i in right})]
+    return lines

@@ -20,6 +20,8 @@ from ._common import (
     hardware_of,
     positive_int,
     problem_spec,
+    table,
+    wrapped,
 )
 
 HELP = "rank a cluster's schedule points with the cost model alone (nothing runs)"
@@ -355,10 +357,54 @@ def _budget(args: argparse.Namespace, setup, hw) -> tuple[int, str]:
                                  f"{format_size(reserve)} reserved, as tune keeps")
 
 
+def _workload_line(args: argparse.Namespace, workload, device: str) -> str:
+    """``global batch 1024 (4.2M tokens), seq 4096``, saying which sizes are defaults."""
+    defaulted = _defaulted(args)
+    tokens = _tokens(workload.global_batch * workload.seq_len)
+    return (f"global batch {workload.global_batch} ({tokens} tokens{', default' if 'global_batch' in defaulted else ''})"
+            f", seq {workload.seq_len}{' (default: ' + _SEQ_DEFAULT[device] + ')' if 'seq_len' in defaulted else ''}")
+
+
+def _top_lines(rows: list[dict], budget: int) -> list[str]:
+    """The shown points as text within :data:`~._common.WIDTH` columns: the knobs they share on one
+    line, a table of the others (short names, :data:`~slapo_tune.plan.SHORT_NAMES`, with a legend)
+    and their predictions, then each point's memory: its stages' blocks and its peak's parts."""
+    from ..plan import SHORT_NAMES
+
+    names = list(rows[0]["point"])
+    varying = [k for k in names if len({str(r["point"][k]) for r in rows}) > 1]
+    shared = [k for k in names if k not in varying]
+    header = ["#", *(SHORT_NAMES.get(k, k) for k in varying), "peak", "step (s)", "samples/s", "MFU"]
+    body = [[f"{i}", *(str(r["point"][k]) for k in varying), format_size(r["peak"]), f"{r['step_s']:.3f}",
+             f"{r['throughput']:.1f}", f"{r['mfu']:.1%}"] for i, r in enumerate(rows, 1)]
+    lines = wrapped(f"{'knobs' if len(rows) == 1 else 'every row'}: "
+                    + " ".join(f"{SHORT_NAMES.get(k, k)}={rows[0]['point'][k]}" for k in shared)) if shared else []
+    numeric = {i for i, k in enumerate(varying, 1) if all(isinstance(r["point"][k], (int, float)) for r in rows)}
+    lines += table([header, *body], {0, *numeric, *range(len(varying) + 1, len(header))})  # numbers right-aligned
+    legend = [f"{SHORT_NAMES[k]} = {k}" for k in names if k in SHORT_NAMES]
+    lines += wrapped(f"({', '.join(legend)})") if legend else []
+    for i, r in enumerate(rows, 1):
+        number = f"{i:>3}. "
+        if len(r["stage_blocks"]) > 1:
+            lines += wrapped(f"blocks per stage: {_runs(r['stage_blocks'])}", number, " " * len(number))
+            number = " " * len(number)
+        maybe = "; above the budget, may fit: check it" if r["peak"] > budget else ""
+        lines += wrapped(f"peak {format_size(r['peak'])} (stage {r['stage']}; up to {format_size(r['upper'])}{maybe}) =",
+                         number, " " * len(number))
+        parts = [f"{k} {format_size(v)}" for k, v in r["breakdown"].items() if v >= 2**20]
+        lines += wrapped(parts, " " * (len(number) + 2), " " * (len(number) + 2))
+        if "exact_peak" in r:
+            verdict = "fits" if r["exact_peak"] <= budget else "does NOT fit"
+            lines += wrapped(f"exact peak {format_size(r['exact_peak'])} (stage {r['exact_stage']}, a fake step): "
+                             f"{verdict}", " " * len(number), " " * (len(number) + 2))
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     from ..cost_model import CostModel
     from ..cost_model.cards import preset_card
     from ..errors import UsageError
+    from ..plan import readable
     from ..precision import default_precision
     from ..space import format_point
     from . import EXIT_OK
@@ -411,28 +457,17 @@ def run(args: argparse.Namespace) -> int:
                           "top": rows[: args.top], "pruned_examples": found.examples[: args.top],
                           "seconds": round(elapsed, 3), "cpu_seconds": round(cpu, 3)}, default=str))
         return EXIT_OK
-    defaulted = _defaulted(args)
-    tokens = workload.global_batch * workload.seq_len
-    print(f"{args.model} on {workload.world_size} x {hw.name} ({budget_line}), {precision}, global batch "
-          f"{workload.global_batch} ({_tokens(tokens)} tokens{', default' if 'global_batch' in defaulted else ''}), "
-          f"seq {workload.seq_len}{' (default: ' + _SEQ_DEFAULT[setup.kind] + ')' if 'seq_len' in defaulted else ''}"
-          f": {found.points} point(s), {found.feasible} fit, {found.pruned} pruned ({elapsed:.2f} s, template "
-          f"{problem.template.describe()}; {hardware_line}; {args.mode} memory)")
-    for line in fallbacks:
-        print(f"activation probe fallback: {line}")
-    for i, r in enumerate(rows[: args.top], 1):
-        parts = ", ".join(f"{k} {format_size(v)}" for k, v in r["breakdown"].items() if v >= 2**20)
-        print(f"{i:>3}. {format_point(r['point'])}")
-        maybe = "; above the budget, may fit: check it" if r["peak"] > budget else ""
-        if len(r["stage_blocks"]) > 1:
-            print(f"     blocks per stage: {_runs(r['stage_blocks'])}")
-        print(f"     peak {format_size(r['peak'])} (stage {r['stage']}; up to {format_size(r['upper'])}{maybe}) = {parts}")
-        if "exact_peak" in r:
-            verdict = "fits" if r["exact_peak"] <= budget else "does NOT fit"
-            print(f"     exact peak {format_size(r['exact_peak'])} (stage {r['exact_stage']}, a fake step): {verdict}")
-        print(f"     step {r['step_s']:.3f} s, {r['throughput']:.1f} samples/s, MFU {r['mfu']:.1%}")
+    summary = [
+        f"{args.model} on {workload.world_size} x {hw.name}, {precision}: {found.points} point(s), {found.feasible} "
+        f"fit, {found.pruned} pruned ({elapsed:.2f} s)",
+        _workload_line(args, workload, setup.kind), f"memory budget {budget_line}",
+        f"template {problem.template.describe()}; {hardware_line}; {args.mode} memory",
+        *(f"activation probe fallback: {line}" for line in fallbacks)]
+    lines = [*wrapped(summary[0]), *(line for text in summary[1:] for line in wrapped(text, "  ", "    "))]
+    lines += _top_lines(rows[: args.top], budget)
     if found.pruned:
-        print(f"pruned {found.pruned} point(s), for example:")
+        lines.append(f"pruned {found.pruned} point(s), for example:")
         for r in found.smallest(model, budget, min(3, args.top)):
-            print(f"  {format_point(r['point'])}: {r['reason']}")
+            lines += [*wrapped(f"{readable(r['point'])}:", "  ", "    "), *wrapped(r["reason"], "    ", "      ")]
+    print("\n".join(lines))
     return EXIT_OK

@@ -8,8 +8,9 @@ import math
 import sys
 from pathlib import Path
 
+from ._common import WIDTH, aligned, wrapped
+
 HELP = "print a results folder's (or a stored study's) trials (the knobs that vary, throughput, memory) and best point"
-WIDTH = 100  # the table fits a terminal of this many columns
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,12 +71,10 @@ def _table(rows: list[dict], knobs: list[str], best: str | None, budget: str) ->
     header = ["", "#", "status", *(SHORT_NAMES.get(k, k) for k in knobs), "samples/s",
               f"peak/{budget}" if budget else "peak", "note"]
     body = [_cells(r, knobs, r["trial"] == best) for r in rows]
-    widths = [max(len(str(line[i])) for line in [header, *body]) for i in range(len(header) - 1)]
     right = {1, len(header) - 3}  # trial numbers and throughput: right-aligned
+    texts = aligned([[str(c) for c in line[:-1]] for line in [header, *body]], right)  # the note: cut to fit
     lines = []
-    for line in [header, *body]:
-        cells = [str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
-        text = " ".join(cells)
+    for text, line in zip(texts, [header, *body]):
         room = WIDTH - len(text) - 1
         note = str(line[-1])
         lines.append((text + " " + (note if len(note) <= room else note[:max(0, room - 1)] + "…")).rstrip()
@@ -136,11 +135,9 @@ def _show(folder: Path, args: argparse.Namespace) -> int:
     print(f"{len(rows)} trial(s): " + ", ".join(f"{n} {s}" for s, n in counts.items())
           + ("; ~ marks a predicted peak" if any(not r.get("peak_memory") for r in rows) else ""))
     if schedule is not None:
-        import textwrap
-
         knobs = ", ".join(f"{k}={v}" for k, v in schedule["knobs"].items())
-        print(textwrap.fill(f"best (*): trial {measured.get('trial')} at {measured.get('samples_per_s') or 0:.2f} "
-                            f"samples/s: {knobs}", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
+        print("\n".join(wrapped(f"best (*): trial {measured.get('trial')} at {measured.get('samples_per_s') or 0:.2f} "
+                                f"samples/s: {knobs}")))
     else:
         print("best: none yet")
     return 0
