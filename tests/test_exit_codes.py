@@ -89,6 +89,7 @@ def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_pat
         what = "did not answer at 127.0.0.1:9" if head == "silent" else "exited while starting"
         assert err[0].startswith(f"slapo-tune: the local Ray head {what}"), err
         assert err[0].endswith(f"(log: {tmp_path / 'out' / 'ray_head.log'})"), err
+        assert "; --ray-address none runs the trials as local processes, without Ray (log:" in err[0], err
         assert proc.wait(timeout=30) is not None  # stopped by the tuner (by its process group)
         assert not (tmp_path / "out" / _cluster.HEAD_FILE).exists()
     finally:

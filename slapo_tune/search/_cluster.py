@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -37,6 +38,9 @@ from ..errors import InfrastructureError, UsageError
 from ._storage import STORAGE_ENV
 
 HEAD_FILE = ".ray_head.json"
+HEAD_TEMP_PREFIX = "slapo-ray-"  # a local head's temp folder: /tmp/slapo-ray-PORT
+# what a line about a local head that failed suggests: its trials need no Ray
+WITHOUT_RAY = "--ray-address none runs the trials as local processes, without Ray"
 HEAD_START_TIMEOUT = 90.0  # seconds for a local head to answer (5-10 s on an idle 2-core machine; more under load)
 RAY_LOG = "ray.log"  # Ray's own messages to this driver, in the results folder
 LOOPBACK = "127.0.0.1"
@@ -112,6 +116,75 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def remove_stale_head(out: Path) -> bool:
+    """Remove ``out``'s head file when the head it records has ended (it died, or was killed with
+    its tuner), so nothing re-attaches to a dead PID, and that head's temp folder unless a running
+    process names it (a head started since on the same port). An unreadable file records no head
+    that could be reached: removed too. Returns whether a file was removed."""
+    head_file = out / HEAD_FILE
+    try:
+        recorded = json.loads(head_file.read_text())
+        pid = int(recorded["pid"])
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded, pid = {}, None
+    if pid is not None and _alive(pid):
+        return False
+    head_file.unlink(missing_ok=True)
+    temp = recorded.get("temp") if isinstance(recorded, dict) else None
+    if temp and Path(temp).name.startswith(HEAD_TEMP_PREFIX) and not _named_by_a_process(Path(temp)):
+        shutil.rmtree(temp, ignore_errors=True)
+    return True
+
+
+def _named_by_a_process(path: Path) -> bool:
+    """Whether a running process's command line names ``path`` or a file in it (a head's processes
+    name its temp folder); True where ``/proc`` cannot tell."""
+    proc = Path("/proc")
+    if not (proc / "self" / "cmdline").is_file():
+        return True
+    name = os.fsencode(str(path))
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes() + b"\0"
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        if name + b"\0" in cmdline or name + b"/" in cmdline:
+            return True
+    return False
+
+
+# what a line of a head's log that says why it failed looks like: a Python exception, or Ray's own
+# words for a failure (its "Remaining processes will be killed." follows the reason, not is one)
+_EXCEPTION_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Exit)\b:?")
+_FAILURE_LINE = re.compile(r"error|fail|exited unexpectedly|cannot|could not|refused|denied|abort", re.IGNORECASE)
+_NOT_A_REASON = re.compile(r"^-+ (BEGIN|END) |^Remaining processes will be killed")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+HEAD_LOG_MARK = "slapo-tune: starting a Ray head"  # the line before each head's own in ray_head.log
+REASON_CHARS = 200  # a reason longer than this is cut: it is one line of a one-line message
+
+
+def head_log_reason(log: Path | None) -> str:
+    """Why a local head failed, as its log says in one line: the last Python exception the head
+    wrote there, else its last line naming a failure, else its last line (cut to :data:`REASON_CHARS`)."""
+    try:
+        text = log.read_text(errors="replace") if log is not None else ""
+    except OSError:
+        text = ""
+    if HEAD_LOG_MARK in text:  # this head's lines, after its mark's: the log keeps earlier heads' too
+        text = text.rpartition(HEAD_LOG_MARK)[2].partition("\n")[2]
+    lines = [line.strip() for line in _ANSI.sub("", text).splitlines()]
+    lines = [line for line in lines if line and not _NOT_A_REASON.search(line)]
+    if not lines:
+        return "nothing in its log"
+    reason = next((line for line in reversed(lines) if _EXCEPTION_LINE.match(line)),
+                  next((line for line in reversed(lines) if _FAILURE_LINE.search(line)), lines[-1]))
+    return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 3] + "..."
+
+
 def stop_head(pid: int, temp: Path | None = None, grace: float = 20.0) -> None:
     """SIGTERM the head's session (``ray start --block`` then stops what it started), SIGKILL
     what is left after ``grace`` seconds; then remove its temp folder ``temp``."""
@@ -162,12 +235,14 @@ def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
     port, dash = _free_port(), _free_port()
     # Ray's Unix sockets live under the temp dir and their paths may not exceed ~107 bytes
     base = Path(os.environ.get("SLAPO_RAY_TMPDIR", "/tmp"))
-    temp = (base if len(str(base)) <= 40 else Path("/tmp")) / f"slapo-ray-{port}"
+    temp = (base if len(str(base)) <= 40 else Path("/tmp")) / f"{HEAD_TEMP_PREFIX}{port}"
     log = open(out / "ray_head.log", "ab")  # noqa: SIM115 - handed to the head process
     cmd = [ray_exe, "start", "--head", "--block", f"--node-ip-address={LOOPBACK}", f"--port={port}",
            f"--num-cpus={num_cpus}", "--include-dashboard=true", f"--dashboard-host={LOOPBACK}",
            f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"]
     ensure_auth_token()  # the head reads it; this driver too
+    log.write(f"{HEAD_LOG_MARK}: {shlex.join(cmd)}\n".encode())
+    log.flush()
     # (the study's storage URL, password and all, is none of Ray's business: it is not passed on)
     env = {**{k: v for k, v in os.environ.items() if k != STORAGE_ENV}, **LOCAL_HEAD_ENV}
     # the temp files of the head's processes and trials in its own folder, removed with it: its
@@ -190,9 +265,8 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
     deadline = time.monotonic() + timeout
     while True:
         if head_pid is not None and not _alive(head_pid):
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log and log.is_file() else []
-            raise InfrastructureError(f"the local Ray head exited while starting: {tail[0] if tail else 'no log'} "
-                                      f"(log: {log})")
+            raise InfrastructureError(f"the local Ray head exited while starting: {head_log_reason(log)}; "
+                                      f"{WITHOUT_RAY} (log: {log})")
         try:
             check_reachable(address, timeout=2.0)
             break
@@ -201,6 +275,7 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
                 time.sleep(0.5)
             elif head_pid is not None:  # a head this tuner started, slow under load: not the user's input
                 raise InfrastructureError(f"the local Ray head did not answer at {address} within {timeout:.0f} s "
+                                          f"({head_log_reason(log)}); {WITHOUT_RAY} "
                                           f"(log: {log})") from None
             else:
                 raise
@@ -212,8 +287,11 @@ def _connect(address: str, timeout: float, namespace: str, head_pid: int | None 
         except Exception as exc:  # noqa: BLE001 - Ray raises several kinds; the user needs one line
             _raise_if_token(address, exc)
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            error = UsageError if head_pid is None else InfrastructureError  # (the head this tuner started)
-            raise error(f"cannot attach to the Ray cluster at {address}: {first}") from None
+            if head_pid is None:
+                raise UsageError(f"cannot attach to the Ray cluster at {address}: {first}") from None
+            # the head this tuner started: not the user's input
+            raise InfrastructureError(f"cannot attach to the local Ray head at {address}: {first}; {WITHOUT_RAY} "
+                                      f"(log: {log})") from None
     if ray_log is not None:
         route_ray_messages(ray_log)
 
@@ -336,6 +414,8 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
 
     device = device or device_setup("cpu")
     cores = len(usable_cores())
+    if out is not None:  # whichever --ray-address: a user told to use `none` leaves a dead head's file behind
+        remove_stale_head(out)
     if ray_address == "none":
         return Cluster(LocalRunner.for_device(device, world_size, concurrency), "none")
     if ray_address == "local":

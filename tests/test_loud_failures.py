@@ -1,0 +1,116 @@
+"""Failures that must not look like success: a world larger than the cores refused before anything
+starts (unless insisted on), a local Ray head that does not start says why in one line and what
+runs without Ray, a head file left by a dead head is removed, and a study with no result names
+its most common failure. (Nothing fitting the budget, and every trial failing, through the
+command line: test_exit_codes.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slapo_tune.cli import EXIT_FAILED, main
+from slapo_tune.search import _cluster
+
+TUNE = ["tune", "--ray-address", "none", "--model", "gpt2-tiny", "--global-batch", "8", "--seq-len", "32",
+        "--confirm", "0", "--knobs", "tp=1,pp=1,zero=0,ckpt_ratio=0,attn=sdpa,fuse=off"]
+
+
+# what `ray start --head --block` writes when its GCS cannot start (stands in for Ray, whatever the load)
+FAILING_RAY = """#!/bin/sh
+echo "Usage stats collection is disabled."
+echo "Local node IP: 127.0.0.1"
+echo "Traceback (most recent call last):"
+echo '  File "ray/_private/node.py", line 1, in start_gcs_server'
+echo "ValueError: GCS could not bind 127.0.0.1:6379 (Address already in use)"
+echo
+echo "Remaining processes will be killed."
+exit 1
+"""
+
+
+def test_a_local_head_that_exits_says_why_from_its_log_and_what_runs_without_ray(capsys, tmp_path, monkeypatch):
+    """The real start_head, with a `ray` that fails as Ray does: one line with the reason from this
+    head's lines of ray_head.log (not an earlier head's, not Ray's closing words) and the
+    --ray-address none that needs no head; exit 1; the head's temp folder and head file removed."""
+    for name, value in _cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))  # not the user's ~/.ray
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(FAILING_RAY)
+    (bin_dir / "ray").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))  # start_head takes the `ray` beside Python
+    out = tmp_path / "out"
+    out.mkdir()
+    log = out / "ray_head.log"
+    log.write_text("slapo-tune: starting a Ray head: ray start ...\nRuntimeError: an earlier head's failure\n")
+    code = main([*TUNE, "--world-size", "2", "--ray-address", "local", "--out", str(out)])
+    err = capsys.readouterr().err.splitlines()
+    assert code == EXIT_FAILED and len(err) == 1, err
+    assert err[0] == ("slapo-tune: the local Ray head exited while starting: ValueError: GCS could not bind "
+                      "127.0.0.1:6379 (Address already in use); --ray-address none runs the trials as local "
+                      f"processes, without Ray (log: {log})")
+    started = log.read_text().splitlines()[2]
+    assert started.startswith(f"slapo-tune: starting a Ray head: {bin_dir / 'ray'} start --head")
+    temp = started.split("--temp-dir=", 1)[1].split()[0]
+    assert not (out / _cluster.HEAD_FILE).exists() and not Path(temp).exists()
+
+
+@pytest.mark.parametrize("text,reason", [
+    # Ray's own report of a subprocess that died: the failing line of the tail it quotes
+    ("Some Ray subprocesses exited unexpectedly:\n  gcs_server [exit code=1]\n\n"
+     "----- BEGIN gcs_server.err tail (exit code(s)=1) -----\n"
+     "[2026-01-01 00:00:00,000 E 12 12] gcs_server.cc:80: Failed to bind port 6379\n"
+     "----- END gcs_server.err tail (exit code(s)=1) -----\n\nRemaining processes will be killed.\n",
+     "[2026-01-01 00:00:00,000 E 12 12] gcs_server.cc:80: Failed to bind port 6379"),
+    ("\x1b[31mray.exceptions.RaySystemError: System error: no space left on device\x1b[0m\nbye\n",
+     "ray.exceptions.RaySystemError: System error: no space left on device"),
+    ("Local node IP: 127.0.0.1\nStarting the head...\n", "Starting the head..."),  # nothing failed yet: its last line
+    ("", "nothing in its log"),
+    ("x" * 500 + " error\n", "x" * 197 + "..."),
+])
+def test_the_reason_read_from_a_heads_log(tmp_path, text, reason):
+    log = tmp_path / "ray_head.log"
+    log.write_text(text)
+    assert _cluster.head_log_reason(log) == reason
+    assert _cluster.head_log_reason(tmp_path / "none.log") == "nothing in its log"
+
+
+def test_a_head_file_of_a_dead_head_is_removed_and_a_live_ones_kept(tmp_path):
+    """A head file whose PID has ended (spawned and reaped here) is removed with the head's temp
+    folder, whichever --ray-address; an unreadable one too; a live head's file is kept, and so is
+    a temp folder a running process names (a head started since on that port)."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    out, temp, busy = tmp_path / "out", tmp_path / "slapo-ray-1", tmp_path / "slapo-ray-2"
+    for folder in (out, temp / "session_latest", busy):
+        folder.mkdir(parents=True)
+    head_file = out / _cluster.HEAD_FILE
+
+    def record(pid: int, folder) -> None:
+        head_file.write_text(json.dumps({"pid": pid, "address": "127.0.0.1:9", "dashboard": "http://127.0.0.1:9",
+                                         "temp": str(folder)}))
+
+    record(ended.pid, temp)
+    _cluster.connect("none", out, 2, None).stop()
+    assert not head_file.exists() and not temp.exists()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", f"--temp-dir={busy}"],
+                            start_new_session=True)
+    try:
+        record(live.pid, busy)
+        _cluster.connect("none", out, 2, None).stop()
+        assert head_file.is_file() and busy.is_dir()  # its head runs
+        record(ended.pid, busy)
+        _cluster.connect("none", out, 2, None).stop()
+        assert not head_file.exists() and busy.is_dir()  # a running process names the folder
+    finally:
+        live.kill()
+        live.wait()
+    head_file.write_text('{"pid": ')  # cut short
+    assert _cluster.remove_stale_head(out) and not head_file.exists()
+    assert not _cluster.remove_stale_head(out)  # nothing there
