@@ -140,6 +140,11 @@ class DeviceSetup:
         """Trials in flight by default on this machine's devices (:func:`default_concurrency`)."""
         return default_concurrency(self.kind, world_size, self.count)
 
+    def shares_cores(self, world_size: int) -> bool:
+        """Whether ``world_size`` local ranks on ``cpu`` would outnumber the usable cores, so that
+        ranks take turns on them and a trial times that as much as its schedule."""
+        return not self.cuda and 0 < self.count < world_size
+
     def check_world(self, world_size: int) -> None:
         """A :class:`UsageError` when ``world_size`` local ranks cannot each have a GPU of their own."""
         self.concurrency(world_size)

@@ -10,14 +10,56 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from slapo_tune.cli import EXIT_FAILED, main
+from slapo_tune import device, search
+from slapo_tune.cli import EXIT_FAILED, EXIT_NO_RESULT, EXIT_USAGE, main
 from slapo_tune.search import _cluster
 
 TUNE = ["tune", "--ray-address", "none", "--model", "gpt2-tiny", "--global-batch", "8", "--seq-len", "32",
         "--confirm", "0", "--knobs", "tp=1,pp=1,zero=0,ckpt_ratio=0,attn=sdpa,fuse=off"]
+
+
+class _StandInTuner:
+    """Stands in for the driver: records that the command got as far as tuning; runs nothing."""
+
+    made: list = []
+
+    def __init__(self, config, runner, **_):
+        _StandInTuner.made.append(config)
+        self.study = SimpleNamespace(study_name="s", user_attrs={}, get_trials=lambda **_: [])
+
+    def run(self) -> dict:
+        return {"stop": "trials", "launched": 0, "pruned": 0, "failed": 0, "infrastructure": 0, "duplicates": 0,
+                "best_point": None, "confirmed": None, "elapsed": 0.0}
+
+
+def test_a_cpu_world_larger_than_the_cores_is_refused_unless_insisted(capsys, tmp_path, monkeypatch):
+    """4 ranks on 2 usable cores: one line naming --oversubscribe, exit 2, before the tuner is made;
+    with --oversubscribe it tunes, with one warning line; 2 ranks on 2 cores, no warning."""
+    monkeypatch.setattr(device, "usable_cores", lambda: [0, 1])
+    monkeypatch.setattr(search, "Tuner", _StandInTuner)
+    _StandInTuner.made.clear()
+    code = main([*TUNE, "--world-size", "4", "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err.splitlines()
+    assert code == EXIT_USAGE and len(err) == 1, err
+    assert err[0].startswith("slapo-tune: error: 4 cpu ranks on this machine's 2 usable core(s): ranks would take "
+                             "turns on the cores"), err
+    assert err[0].endswith("use --world-size 2 or less, run it on a Ray cluster, or insist with --oversubscribe")
+    assert _StandInTuner.made == [] and not (tmp_path / "a").exists()
+
+    code = main([*TUNE, "--world-size", "4", "--oversubscribe", "--out", str(tmp_path / "b")])
+    err = capsys.readouterr().err.splitlines()
+    assert code == EXIT_NO_RESULT and [c.problem.world_size for c in _StandInTuner.made] == [4]  # (the stand-in: no result)
+    warnings = [line for line in err if "warning" in line]
+    assert warnings == ["slapo-tune: warning: 4 cpu ranks on this machine's 2 usable core(s) (--oversubscribe): the "
+                        "ranks take turns on the cores, so trials run slower and their figures include that"], err
+
+    code = main([*TUNE, "--world-size", "2", "--out", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == EXIT_NO_RESULT and len(_StandInTuner.made) == 2 and "warning" not in err and "usable core" not in err
 
 
 # what `ray start --head --block` writes when its GCS cannot start (stands in for Ray, whatever the load)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..search import DEFAULT_STRATEGY, STRATEGIES
 from ._common import (
@@ -21,6 +22,9 @@ from ._common import (
     problem_spec,
     seed_int,
 )
+
+if TYPE_CHECKING:
+    from ..device import DeviceSetup
 
 HELP = "search for the fastest schedule that fits, running real trials"
 CPU_BUDGET = "16MiB"  # the default budget on cpu: small enough that it rules out part of gpt2-tiny's space
@@ -67,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-dashboard", action="store_true",
                    help="with --ray-address local: leave the Ray head (and its dashboard) up after the study and "
                         "print the command that stops it")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="on cpu, run a world larger than this machine's usable cores (refused without it: ranks "
+                        "would take turns on the cores, and each trial would time that as much as its schedule)")
     p.add_argument("--concurrency", type=positive_int, default=None, help="trials in flight (default: what the cluster holds)")
     p.add_argument("--measured-steps", type=positive_int, default=3,
                    help="timed steps of each trial, after its warm-up step (default: %(default)s)")
@@ -137,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     hardware, hardware_line = hardware_of(args, setup)
     if here:
         setup.concurrency(args.world_size)  # a world larger than the GPUs here fails before anything starts
+        check_cores(setup, args.world_size, args.oversubscribe)
     storage_at = storage_url(args.storage, args.storage_file)
     check_storage(storage_at)  # an unusable URL fails here, before anything is started or written
     if args.keep_dashboard and args.ray_address != "local":
@@ -193,6 +201,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
               f"{dashboard_command(storage_shown)}{password})")
     return EXIT_OK
+
+
+def check_cores(setup: DeviceSetup, world_size: int, oversubscribe: bool) -> None:
+    """Refuse a world larger than this machine's usable cores (a :class:`UsageError` naming
+    ``--oversubscribe``); with ``oversubscribe``, say once that the ranks share cores."""
+    from ..errors import UsageError
+
+    if not setup.shares_cores(world_size):
+        return
+    ranks = f"{world_size} cpu ranks on this machine's {setup.count} usable core(s)"
+    if not oversubscribe:
+        raise UsageError(f"{ranks}: ranks would take turns on the cores, so each trial would time that as much as its "
+                         f"schedule (and may run out its --trial-timeout); use --world-size {setup.count} or less, "
+                         f"run it on a Ray cluster, or insist with --oversubscribe")
+    print(f"slapo-tune: warning: {ranks} (--oversubscribe): the ranks take turns on the cores, so trials run slower "
+          f"and their figures include that", file=sys.stderr)
 
 
 def dashboard_command(storage: str) -> str:
