@@ -53,6 +53,18 @@ def size_argument(n: int) -> str:
     return f"{n}B"
 
 
+def size_at_least(n: int) -> str:
+    """A size :func:`parse_size` reads as at least ``n`` bytes, as a person would write it: rounded
+    up to a tenth of a MiB, or of a GiB from 1 GiB (``2.3MiB``, ``70.4GiB``)."""
+    import math
+
+    unit, factor = ("GiB", 2**30) if n >= 2**30 else ("MiB", 2**20)
+    tenths = math.ceil(n * 10 / factor)
+    while int(tenths / 10 * factor) < n:  # (a float's rounding must not take a byte off)
+        tenths += 1
+    return f"{tenths / 10:g}{unit}"
+
+
 def format_size(n: float) -> str:
     """Bytes as MiB, or GiB from 1 GiB up."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

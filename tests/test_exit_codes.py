@@ -26,33 +26,47 @@ def _run(capsys, *argv: str) -> tuple[int, str, list[str]]:
     return code, out, err.splitlines()
 
 
-def test_nothing_fits_exits_3_with_one_line_and_export_says_so(capsys, tmp_path):
-    """Every point pruned: one line saying so (not one per point), exit 3; ``show`` lists the pruned
-    points and exits 0; ``export`` writes no schedule and exits 3."""
+def test_nothing_fits_exits_3_before_starting_with_one_line_naming_a_budget_that_fits(capsys, tmp_path):
+    """No point of the space fits: one line naming the smallest predicted peak and a budget that
+    holds it (what plan finds), exit 3, before any head, rank or study starts (not one line per
+    pruned point after pruning the space); the budget it names passes that check."""
     out = tmp_path / "out"
     code, stdout, err = _run(capsys, "tune", *SMALL, "--memory-budget", "1KiB", "--out", str(out))
-    banner, *rest = err
-    assert code == EXIT_NO_RESULT and stdout == "" and banner.startswith("slapo-tune: gpt2-tiny on 2 cpu rank(s)")
-    assert len(rest) == 1, rest
-    assert rest[0].startswith("slapo-tune: no result: nothing fits the memory budget of 0.0 MiB per rank: the cost "
-                              "model pruned every point tried (")
-    assert "raise --memory-budget" in rest[0] and str(out / "trials.csv") in rest[0]
-    code, stdout, _ = _run(capsys, "show", str(out))
-    assert code == 0 and "pruned" in stdout and "best: none yet" in stdout
-    code, stdout, err = _run(capsys, "export", "--storage", str(out / "study.journal"), "--out", str(tmp_path / "x"))
-    assert code == EXIT_NO_RESULT and stdout == "" and len(err) == 1
-    assert err[0].startswith("slapo-tune: study 'out' has no result, so no best_schedule.json: nothing fits")
-    assert not (tmp_path / "x" / "best_schedule.json").exists() and (tmp_path / "x" / "trials.csv").is_file()
+    assert code == EXIT_NO_RESULT and stdout == "" and len(err) == 1, err
+    assert err[0].startswith("slapo-tune: no result: no point fits the memory budget of 0.0 MiB per rank, as the "
+                             "cost model predicts (nothing was started): the smallest predicted peak is "), err
+    from slapo_tune.cli.tune import nothing_fits_line
+    from slapo_tune.cost_model import hardware
+    from slapo_tune.problem import ProblemSpec
+    from slapo_tune.units import parse_size
+
+    named = err[0].rsplit("rerun with --memory-budget ", 1)[1].removesuffix(" or more")
+    problem = ProblemSpec(model="gpt2-tiny", world_size=2, global_batch=8, seq_len=32, precision="fp32", device="cpu",
+                          memory_budget=parse_size(named)).resolve().pinned(SMALL[SMALL.index("--knobs") + 1])
+    cpu = hardware("cpu")
+    assert nothing_fits_line(problem, cpu, parse_size(named)) is None  # the budget named fits a point
+    assert nothing_fits_line(problem, cpu, parse_size(named) - 2**20) is not None  # and a MiB less does not
+    assert not out.exists()  # no study, no outputs: nothing ran
 
 
-def test_every_trial_failing_exits_3_with_one_line(capsys, tmp_path):
+def test_every_trial_failing_exits_3_with_one_line_naming_the_most_common_failure(capsys, tmp_path):
     """Rank 1 of every trial raises mid-step (a fault-injecting template): exit 3, one line with the
-    trials by how they failed."""
+    trials by how they failed and the most common failure's error; ``show`` lists the trials and
+    exits 0; ``export`` writes no schedule and exits 3."""
+    out = tmp_path / "out"
     code, stdout, err = _run(capsys, "tune", *SMALL, "--knobs", "micro_batch=1", "--space", "_fault_templates:Raises",
-                             "--trials", "1", "--quiet", "--out", str(tmp_path / "out"))
+                             "--trials", "1", "--quiet", "--out", str(out))
     assert code == EXIT_NO_RESULT and stdout == ""
-    assert err[1:] == [f"slapo-tune: no result: every trial failed, 1 launched (1 crash) (stopped: --trials spent); "
-                       f"each point's outcome is in {tmp_path / 'out' / 'trials.csv'}"], err
+    assert err[1:] == [f"slapo-tune: no result: every trial failed, 1 launched (1 crash); most common: 1 crash "
+                       f"(rank 1 raised RuntimeError: injected failure in block 0) (stopped: --trials spent); "
+                       f"each point's outcome is in {out / 'trials.csv'}"], err
+    code, stdout, _ = _run(capsys, "show", str(out))
+    assert code == 0 and "crash" in stdout and "best: none yet" in stdout
+    code, stdout, err = _run(capsys, "export", "--storage", str(out / "study.journal"), "--out", str(tmp_path / "x"),
+                             "--space", "_fault_templates:Raises")
+    assert code == EXIT_NO_RESULT and stdout == "" and len(err) == 1, err
+    assert err[0].startswith("slapo-tune: study 'out' has no result, so no best_schedule.json: every trial failed")
+    assert not (tmp_path / "x" / "best_schedule.json").exists() and (tmp_path / "x" / "trials.csv").is_file()
 
 
 class _FastClock:

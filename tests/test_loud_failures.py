@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import optuna
 import pytest
 
 from slapo_tune import device, search
@@ -156,3 +157,32 @@ def test_a_head_file_of_a_dead_head_is_removed_and_a_live_ones_kept(tmp_path):
     head_file.write_text('{"pid": ')  # cut short
     assert _cluster.remove_stale_head(out) and not head_file.exists()
     assert not _cluster.remove_stale_head(out)  # nothing there
+
+
+def _study(*trials: tuple[str, str]):
+    """An in-memory study whose trials ended as ``(status, error)`` say."""
+    study = optuna.create_study(directions=["maximize"])
+    for n, (status, error) in enumerate(trials):
+        study.add_trial(optuna.trial.create_trial(
+            state=optuna.trial.TrialState.FAIL, params={}, distributions={},
+            user_attrs={"point": {"micro_batch": n}, "status": status, "result": {"error": error}}))
+    return study
+
+
+def test_no_result_names_the_most_common_failure_and_its_setting():
+    """Trials by how they failed: the most common kind named with its most frequent error and,
+    for a timeout or an out-of-memory, the setting to change (64 ranks on 2 cores timed out and
+    were told to loosen --memory-budget)."""
+    from slapo_tune.search._report import no_result_reason
+
+    waited = "timed out after 300 s waiting for rank(s) [0, 1]"
+    study = _study(("timeout", waited), ("crash", "rank 1 raised RuntimeError: x"), ("timeout", waited),
+                   ("pruned", ""), ("timeout", "timed out after 300 s waiting for rank(s) [1]"))
+    assert no_result_reason(study) == (
+        f"every trial failed, 4 launched (3 timeout, 1 crash); 1 pruned; most common: 3 timeout ({waited}); a longer "
+        "--trial-timeout (or fewer ranks per core) gives them time")
+    assert no_result_reason(_study(("oom", "rank 0 raised OutOfMemoryError"), ("crash", "a"))).endswith(
+        "most common: 1 oom (rank 0 raised OutOfMemoryError); their measured peaks exceeded the budget: raise "
+        "--memory-budget")  # (equal counts: the first in TrialStatus's order)
+    assert no_result_reason(_study(("lost", "node 1 died"), ("lost", "node 1 died"), ("interrupted", ""))) == (
+        "nothing was measured (1 interrupted, 2 lost); most common: 2 lost (node 1 died)")

@@ -299,6 +299,13 @@ def _search(model, problem, budget: int, top: int, distinct: tuple[str, ...] = D
     return found
 
 
+def least_peak_if_none_fits(model, problem, budget: int) -> dict | None:
+    """The row of the point of smallest predicted peak when no point of ``problem``'s space fits
+    ``budget`` (the one ``plan`` names then); None when one fits. ``tune`` asks it before it starts."""
+    found = _search(model, problem, budget, 1)
+    return None if found.feasible else found.smallest(model, budget, 1)[0]
+
+
 _SEQ_DEFAULT = {"cpu": "128 or the model's positions", "cuda": "the model's context length"}
 
 

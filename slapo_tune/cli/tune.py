@@ -24,7 +24,9 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
+    from ..cost_model import Hardware
     from ..device import DeviceSetup
+    from ..problem import Problem
 
 HELP = "search for the fastest schedule that fits, running real trials"
 CPU_BUDGET = "16MiB"  # the default budget on cpu: small enough that it rules out part of gpt2-tiny's space
@@ -153,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
     # made now, not at the first local launch (with Ray there may be none): this also removes the
     # multiprocessing folders of SIGKILLed drivers before anything else runs
     multiprocessing_temp_dir()
+    unfit = nothing_fits_line(problem, hardware, budget) if args.prune != "none" else None
+    if unfit:  # what every point would be pruned for, said before a head, a rank or a study starts
+        print(f"slapo-tune: no result: {unfit}", file=sys.stderr)
+        return EXIT_NO_RESULT
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
                       args.concurrency, device=setup, runtime_env=runtime_env, net_if=args.net_if)
     try:
@@ -217,6 +223,23 @@ def check_cores(setup: DeviceSetup, world_size: int, oversubscribe: bool) -> Non
                          f"run it on a Ray cluster, or insist with --oversubscribe")
     print(f"slapo-tune: warning: {ranks} (--oversubscribe): the ranks take turns on the cores, so trials run slower "
           f"and their figures include that", file=sys.stderr)
+
+
+def nothing_fits_line(problem: Problem, hardware: Hardware, budget: int) -> str | None:
+    """Why no trial could run, when the cost model predicts that no point of ``problem``'s space
+    fits ``budget`` bytes per rank (the tuner would prune every one): the smallest predicted peak,
+    as ``plan`` finds it, and a budget that holds it; None when a point fits."""
+    from ..cost_model import CostModel
+    from ..space import format_point
+    from ..units import format_size, size_at_least
+    from .plan import least_peak_if_none_fits
+
+    least = least_peak_if_none_fits(CostModel(problem, hardware), problem, budget)
+    if least is None:
+        return None
+    return (f"no point fits the memory budget of {format_size(budget)} per rank, as the cost model predicts "
+            f"(nothing was started): the smallest predicted peak is {format_size(least['peak'])}, at "
+            f"{format_point(least['point'])}; rerun with --memory-budget {size_at_least(least['peak'])} or more")
 
 
 def dashboard_command(storage: str) -> str:

@@ -54,9 +54,11 @@ def no_result_reason(study: Study) -> str:
     counts = statuses(study)
     launched = {s: n for s, n in counts.items() if TrialStatus(s).launched}
     others = ", ".join(f"{n} {s}" for s, n in counts.items() if s not in launched)
+    common = most_common_failure(study)
     if launched:
         return (f"every trial failed, {sum(launched.values())} launched ("
-                + ", ".join(f"{n} {s}" for s, n in launched.items()) + ")" + (f"; {others}" if others else ""))
+                + ", ".join(f"{n} {s}" for s, n in launched.items()) + ")" + (f"; {others}" if others else "")
+                + (f"; most common: {common}" if common else ""))
     peaks = [(t.user_attrs.get("predicted") or {}).get("pruned_peak") for t in study.get_trials(deepcopy=False)
              if trial_status(t) is TrialStatus.PRUNED]
     if peaks:
@@ -66,7 +68,35 @@ def no_result_reason(study: Study) -> str:
                 f"cost model pruned every point tried ({len(peaks)})"
                 + (f", the smallest predicted peak {format_size(least)}" if least is not None else "")
                 + "; raise --memory-budget")
-    return "nothing was measured" + (f" ({others})" if others else "")
+    return "nothing was measured" + (f" ({others})" if others else "") + (f"; most common: {common}" if common else "")
+
+
+# what to change for the failures whose cause a setting holds (the others' errors say theirs)
+FAILURE_ADVICE = {TrialStatus.TIMEOUT: "a longer --trial-timeout (or fewer ranks per core) gives them time",
+                  TrialStatus.OOM: "their measured peaks exceeded the budget: raise --memory-budget"}
+ERROR_CHARS = 160  # of a failure's error in the one line that names it
+
+
+def most_common_failure(study: Study) -> str | None:
+    """The way most of the study's failed trials ended (crash, timeout, oom, invalid, lost, ...: the
+    first in TrialStatus's order among equals), in one clause: how many, the error most of them
+    gave (cut to :data:`ERROR_CHARS`) and, where a setting is the cause, which; None when no trial failed."""
+    errors: dict[TrialStatus, list[str]] = {}
+    for t in study.get_trials(deepcopy=False):
+        status = trial_status(t)
+        if status is not None and status not in (TrialStatus.OK, TrialStatus.PRUNED, TrialStatus.DUPLICATE,
+                                                 TrialStatus.INTERRUPTED):
+            errors.setdefault(status, []).append(((t.user_attrs.get("result") or {}).get("error") or "").strip())
+    if not errors:
+        return None
+    order = list(TrialStatus)
+    status = max(errors, key=lambda s: (len(errors[s]), -order.index(s)))
+    said = [e for e in errors[status] if e]
+    error = max(said, key=said.count) if said else ""  # (the first of the most frequent)
+    if len(error) > ERROR_CHARS:
+        error = error[:ERROR_CHARS - 3] + "..."
+    return "; ".join(part for part in (f"{len(errors[status])} {status}" + (f" ({error})" if error else ""),
+                                       FAILURE_ADVICE.get(status)) if part)
 
 
 def out_of_the_box(study: Study, best: FrozenTrial | None, confirmed: dict[str, Any] | None) -> dict[str, Any] | None:
