@@ -4,7 +4,6 @@ under torchrun, loads Hugging Face weights, and refuses bad schedule files in on
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -23,14 +22,13 @@ from slapo_tune.cli import main
 from slapo_tune.data import TrainingData
 from slapo_tune.models import ModelSpec, config_fingerprint, load_config
 from slapo_tune.plan import Plan, Workload
-from slapo_tune.schedule_file import make_schedule, write_schedule
+from slapo_tune.schedule_file import make_schedule
+
+from _helpers import schedule_file as _schedule
+from _helpers import subprocess_env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+)", re.M)
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -40,21 +38,6 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def _losses(stdout: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in STEP.findall(stdout)}
-
-
-def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32, precision: str = "fp32",
-              measured: dict | None = None, **knobs) -> Path:
-    point = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
-             "attn": "sdpa", "fuse": "off", **knobs}
-    world = point["tp"] * point["pp"] * point["dp"]
-    config = load_config(preset)
-    schedule = make_schedule(
-        template={"name": preset.split("-")[0], "version": "1"},
-        plan=Plan.of(point, Workload(world, global_batch, seq_len, precision)), world_size=world,
-        global_batch=global_batch, seq_len=seq_len, precision=precision, device="cpu",
-        model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)}, measured=measured)
-    write_schedule(path, schedule)
-    return path
 
 
 @pytest.fixture(scope="module")
