@@ -206,7 +206,9 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
 
 
 def test_torchrun_runs_the_same_job(tmp_path, no_leftover_children):
-    schedule = _schedule(tmp_path / "s.json", tp=2)
+    # sequence parallelism and the vocabulary-parallel loss: what the README's loop, which calls the
+    # model as Hugging Face code does, must synchronise and gather itself
+    schedule = _schedule(tmp_path / "s.json", tp=2, sp="on", loss_parallel="on", micro_batch=4)
     ours = _cli("train", "--schedule", str(schedule), "--steps", "3")
     assert ours.returncode == 0, ours.stderr
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -215,7 +217,7 @@ def test_torchrun_runs_the_same_job(tmp_path, no_leftover_children):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _losses(done.stdout) == _losses(ours.stdout) and len(_losses(ours.stdout)) == 3
-    # the README's own-loop example, on the same schedule: the same losses
+    # the README's own-loop example (a Hugging Face-style loop), on the same schedule: the same losses
     text = (ROOT / "README.md").read_text()
     code = re.search(r"In your own training loop.*?```python\n(.*?)```", text, re.S).group(1)
     (tmp_path / "loop.py").write_text(code)
