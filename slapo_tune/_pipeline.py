@@ -333,8 +333,10 @@ def structural_copy(model: nn.Module) -> nn.Module:
     return clone
 
 
-# on a stage: the training step that runs it (:class:`slapo_tune.runtime.TrainStep`), which knows
-# the loss, the precision and the gradient synchronisation a call of the stage like its model needs
+# on a stage: a weak reference to the training step that runs it (:class:`slapo_tune.runtime.TrainStep`),
+# which knows the loss, the precision and the gradient synchronisation a call of the stage like its
+# model needs (weak: the step holds the stage, and a cycle would keep a dropped model's memory until
+# the garbage collector runs)
 TRAIN_STEP = "_slapo_train_step"
 
 
@@ -458,8 +460,12 @@ class VirtualStages(nn.Module):
 
 def train_step_of(stage: nn.Module):
     """The training step that runs ``stage`` (the last one made for it)."""
-    step = stage.__dict__.get(TRAIN_STEP)
-    if step is None:
+    ref = stage.__dict__.get(TRAIN_STEP)
+    if ref is None:
         raise PipelineError("calling a stage like its model (input_ids=..., labels=...) needs its training step: "
                             "slapo_tune.runtime.TrainStep(stage, ...) (apply_schedule makes one)")
+    step = ref()
+    if step is None:
+        raise PipelineError("this stage's training step is gone: keep the Session that apply_schedule returned "
+                            "(or the TrainStep) while you call session.stage like the model")
     return step

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -225,7 +226,7 @@ class TrainStep:
         self._aside: list[torch.Tensor | None] | None = None
         self._in_backward = False
         self._deferred = False  # inside no_sync()
-        model.__dict__[TRAIN_STEP] = self
+        model.__dict__[TRAIN_STEP] = weakref.ref(self)
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # divided before backward: the gradients of the step's micro-batches add up to the mean
@@ -347,6 +348,7 @@ class TrainStep:
         the memory the schedule was tuned with, which holds no whole logits.
         """
         self._whole_model_on_this_rank()
+        self._in_backward = False  # no backward runs during a forward of the model (one that raised ended)
         model = self.model.model
         sharded = loss_parallel(model)
         labels = inputs.pop("labels", None) if sharded else None  # else the model computes its own loss

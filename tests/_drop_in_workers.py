@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,7 +59,7 @@ def called_like_the_model(ctx, schedule: str, batch: dict[str, torch.Tensor]) ->
     as_tuple = session.stage(**batch, return_dict=False)
     tp, rank = session.topology.tp, session.topology.tp_rank
     width = expected.logits.shape[-1] // tp
-    return {
+    result = {
         "types": (type(got).__name__, type(expected).__name__),
         "losses": (got.loss.item(), expected.loss.item()),
         "shapes": (tuple(got.logits.shape), tuple(expected.logits.shape)),
@@ -67,6 +69,15 @@ def called_like_the_model(ctx, schedule: str, batch: dict[str, torch.Tensor]) ->
         "tuple": (type(as_tuple).__name__, as_tuple[0].item(), tuple(as_tuple[1].shape)),
         "config": session.stage.config is session.stage.model.config,
     }
+    # what the drop-in call added holds no cycle: a dropped session's model goes at once
+    stage = weakref.ref(session.stage)
+    gc.disable()
+    try:
+        del session, got, sliced, as_tuple
+        result["freed"] = stage() is None
+    finally:
+        gc.enable()
+    return result
 
 
 def pipeline_rank_called_like_the_model(ctx, schedule: str) -> tuple[str, str, float]:

@@ -70,6 +70,7 @@ def test_the_scheduled_model_returns_what_the_model_returns(tmp_path, preset, kn
         assert got["logits_error"] < 1e-5 and got["slice_error"] < 1e-5  # seen: 2.4e-7
         assert got["tuple"][0] == "tuple" and got["tuple"][1] == got["losses"][0]
         assert got["tuple"][2] == got["shapes"][1] and got["config"]
+        assert got["freed"]  # without waiting for the garbage collector
 
 
 def test_a_pipeline_stage_names_the_one_call_step(tmp_path, no_leftover_children):
