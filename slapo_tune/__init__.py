@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from .errors import (
     MaterializeError,
+    ModelMismatchError,
     PatternError,
     PipelineError,
     ScheduleError,
@@ -82,6 +83,7 @@ __all__ = [
     "LoadedSchedule",
     "Match",
     "MaterializeError",
+    "ModelMismatchError",
     "ModelSpec",
     "PatternError",
     "PipelineError",

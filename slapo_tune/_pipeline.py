@@ -333,9 +333,21 @@ def structural_copy(model: nn.Module) -> nn.Module:
     return clone
 
 
+# on a stage: a weak reference to the training step that runs it (:class:`slapo_tune.runtime.TrainStep`),
+# which knows the loss, the precision and the gradient synchronisation a call of the stage like its
+# model needs (weak: the step holds the stage, and a cycle would keep a dropped model's memory until
+# the garbage collector runs)
+TRAIN_STEP = "_slapo_train_step"
+
+
 class StageModule(nn.Module):
     """One pipeline stage as one module: token ids or a hidden state in, hidden state or logits
-    out. With a single stage it is simply the model returning logits."""
+    out. With a single stage it is simply the model returning logits.
+
+    Called with keywords instead (``stage(input_ids=..., labels=..., attention_mask=...)``, or
+    ``stage(**batch)``), a single stage is called as the Hugging Face model it was scheduled from
+    and returns that model's output (see :meth:`slapo_tune.runtime.TrainStep.call_like_model`);
+    :meth:`no_sync` defers the gradient synchronisation as DDP's does."""
 
     def __init__(self, model: nn.Module, info: StageInfo, topology):
         super().__init__()
@@ -371,7 +383,22 @@ class StageModule(nn.Module):
     def _exit(module, args, output):
         raise _StageExit(output[0] if isinstance(output, (tuple, list)) else output)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def config(self):
+        """The scheduled model's configuration (as ``model.config`` on the Hugging Face model)."""
+        return self.model.config
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward calls inside leave their gradients unsynchronised, for the next one outside to
+        synchronise with its own (gradient accumulation, as with DDP's ``no_sync``)."""
+        return train_step_of(self).no_sync()
+
+    def forward(self, x: torch.Tensor | None = None, /, **model_inputs):
+        if model_inputs or x is None:
+            if x is not None:
+                raise TypeError("call a stage with one tensor (the pipeline's input) or with keywords as its "
+                                "model (input_ids=..., labels=...), not both")
+            return train_step_of(self).call_like_model(**model_inputs)
         if self.info.is_first:
             ids = x
         else:
@@ -420,6 +447,25 @@ class VirtualStages(nn.Module):
     def tied_parameters(self) -> list[nn.Parameter]:
         return [p for c in self.parts for p in c.tied_parameters()]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, x: torch.Tensor | None = None, /, **model_inputs):
+        if model_inputs or x is None:
+            return train_step_of(self).call_like_model(**model_inputs)  # refuses: no rank holds the model
         raise PipelineError("an interleaved pipeline rank runs its stages through the pipeline schedule, "
                             "one chunk at a time; call its chunks")
+
+
+def train_step_of(stage: nn.Module):
+    """The training step that runs ``stage`` (the last one made for it)."""
+    ref = stage.__dict__.get(TRAIN_STEP)
+    if ref is None:
+        raise PipelineError("calling a stage like its model (input_ids=..., labels=...) needs its training step: "
+                            "slapo_tune.runtime.TrainStep(stage, ...) (apply_schedule makes one)")
+    step = ref()
+    if step is None:
+        raise PipelineError("this stage's training step is gone: keep the Session that apply_schedule returned "
+                            "(or the TrainStep) while you call session.stage like the model")
+    return step

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import UsageError
+from .errors import ModelMismatchError, UsageError
 from .models import ModelSpec
 from .plan import Plan, Workload, knob_value
 from .problem import Problem, ProblemSpec
@@ -96,7 +96,7 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     actual = config_fingerprint(config)
     if expected is not None and expected != actual:
         if not allow_model_mismatch:
-            raise UsageError(f"{where}: the schedule was tuned for model {recorded['name']!r} ({expected}) but "
+            raise ModelMismatchError(f"{where}: the schedule was tuned for model {recorded['name']!r} ({expected}) but "
                              f"{spec.name!r} has config {actual}; pass --allow-model-mismatch to use it anyway")
         log.warning("using schedule %s tuned for %s (%s) on %s (%s): model mismatch overridden",
                     where, recorded["name"], expected, spec.name, actual)
@@ -153,22 +153,44 @@ def _check_template(template: Template, recorded: Mapping[str, str], where: str)
                          f"was made with version {recorded['version']}; re-tune with this slapo-tune")
 
 
+def check_model(model: nn.Module, loaded: LoadedSchedule) -> None:
+    """Refuse, in one line naming both config fingerprints, a model instance that is not the model
+    ``loaded`` schedules (the file's, or the one ``load_schedule(model=...)`` named): the schedule
+    would otherwise fail deep inside its template, on a module path the model does not have."""
+    from .models import config_fingerprint
+
+    config = getattr(model, "config", None)
+    actual = config_fingerprint(config) if config is not None and hasattr(config, "to_dict") else None
+    expected = config_fingerprint(loaded.problem.config)
+    if actual != expected:
+        given = f"{type(model).__name__} with config {actual}" if actual else f"{type(model).__name__} (no config)"
+        raise ModelMismatchError(f"{loaded.source}: the schedule is for model {loaded.model.name!r} ({expected}) but "
+                                 f"the model given is a {given}; pass the model it was tuned for, or re-tune for "
+                                 "this one")
+
+
 def apply_schedule(model: nn.Module | None, schedule: LoadedSchedule | str | os.PathLike, *,
                    device=None, seed: int = 0, topology=None, lr: float | None = None) -> Session:
     """Schedule and build this rank's part of the model; call on every rank of the job.
 
     ``model`` is the unscheduled model: real weights (e.g. loaded with ``from_pretrained``) are
-    kept and sliced, never re-initialised; ``None`` (or meta tensors) initialises from ``seed``.
-    Returns the rank's :class:`~slapo_tune.session.Session`: ``.train_step(batch)`` runs
-    micro-batching, the pipeline, gradient synchronisation and the optimizer update over the
-    global batch and returns the mean loss; for a loop of your own, ``.stage`` (the module whose
-    parameters an optimizer takes), ``.step(batch)`` (gradients only), ``.topology`` (the process
-    groups) and ``.plan``. The process group must already be initialised with the schedule's world
-    size.
+    kept and sliced, never re-initialised; ``None`` (or meta tensors) initialises from ``seed``. A
+    model whose config is not the schedule's raises :class:`~slapo_tune.errors.ModelMismatchError`
+    (one line naming both fingerprints). Returns the rank's :class:`~slapo_tune.session.Session`:
+    ``.train_step(batch)`` runs micro-batching, the pipeline, gradient synchronisation and the
+    optimizer update over the global batch and returns the mean loss (the one call a step takes
+    with pipeline stages). For a loop of your own: ``.stage``, at ``pp=1`` called like the model
+    (``stage(input_ids=..., labels=...)``, see :meth:`~slapo_tune.runtime.TrainStep.call_like_model`)
+    on ``.micro_batches(batch)``, whose optimizer steps ``.trained_parameters()`` (the fp32 masters
+    under bf16, then ``stage.master.publish()``); ``.step(batch)`` (gradients only, any ``pp``),
+    ``.topology`` (the process groups) and ``.plan``. The process group must already be initialised
+    with the schedule's world size.
     """
     import torch.distributed as dist
 
     loaded = schedule if isinstance(schedule, LoadedSchedule) else load_schedule(schedule)
+    if model is not None:
+        check_model(model, loaded)
     if not dist.is_initialized():
         raise UsageError("apply_schedule() needs torch.distributed initialised (torchrun, or "
                          "slapo-tune train which launches the ranks)")

@@ -55,6 +55,11 @@ class UsageError(SlapoTuneError, ValueError):
     """Bad user input at the command line or in a configuration (exit code 2)."""
 
 
+class ModelMismatchError(UsageError):
+    """A schedule meets another model than the one it was tuned for (their config fingerprints
+    differ): its module paths, shapes and knobs describe that model, not this one."""
+
+
 class InfrastructureError(SlapoTuneError, RuntimeError):
     """What trials run on failed, not the user's input: a Ray head that exited while starting or
     did not answer in time (exit code 1, not the usage code: a re-run may succeed)."""

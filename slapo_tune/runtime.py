@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,10 +25,10 @@ import torch.distributed as dist
 from . import _comm
 from ._context_parallel import context, context_shards, cp_loss_fn, split_sequence
 from ._data_parallel import average_gradients
-from ._pipeline import StageModule, VirtualStages
+from ._pipeline import TRAIN_STEP, StageModule, VirtualStages
 from ._schedule import state_of
 from ._vocab_loss import loss_parallel, require_causal_lm_loss, shift_labels, vocab_parallel_cross_entropy
-from .errors import ScheduleError
+from .errors import PipelineError, ScheduleError
 from .precision import precision as precision_named
 
 # "zb": interleaved zero bubble (ZB1P, Qi et al. 2024): each backward split into the input gradient,
@@ -219,6 +221,12 @@ class TrainStep:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
         self._shape = None
+        # calls of the stage like its model (call_like_model): the synchronised gradients set aside
+        # while .grad holds what backward calls since have added (None: .grad is all synchronised)
+        self._aside: list[torch.Tensor | None] | None = None
+        self._in_backward = False
+        self._deferred = False  # inside no_sync()
+        model.__dict__[TRAIN_STEP] = weakref.ref(self)
 
     def _scaled_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # divided before backward: the gradients of the step's micro-batches add up to the mean
@@ -266,21 +274,151 @@ class TrainStep:
                          if not getattr(info, "is_root_arg", False) and isinstance(info.buffer, torch.Tensor)]
         return held
 
+    def _rows(self, samples: int) -> slice:
+        """This data-parallel rank's rows of a global batch of ``samples``."""
+        topo = self.topology
+        if samples % (topo.dp * self.n_microbatches):
+            raise ScheduleError(
+                f"global batch {samples} is not divisible by dp x micro-batches = "
+                f"{topo.dp} x {self.n_microbatches}"
+            )
+        n = samples // topo.dp
+        return slice(topo.dp_rank * n, (topo.dp_rank + 1) * n)
+
     def local_batch(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel rank's slice of the global batch."""
         ids, labels = batch["input_ids"], batch.get("labels", batch["input_ids"])
         topo = self.topology
-        if ids.shape[0] % (topo.dp * self.n_microbatches):
-            raise ScheduleError(
-                f"global batch {ids.shape[0]} is not divisible by dp x micro-batches = "
-                f"{topo.dp} x {self.n_microbatches}"
-            )
-        n = ids.shape[0] // topo.dp
-        rows = slice(topo.dp_rank * n, (topo.dp_rank + 1) * n)
+        rows = self._rows(ids.shape[0])
         ids, labels = ids[rows], labels[rows]
         if topo.cp > 1:  # this rank's chunk of each sequence; labels shifted over the whole sequence first
             ids, labels = split_sequence(ids, topo.cp_rank, topo.cp), split_sequence(shift_labels(labels), topo.cp_rank, topo.cp)
         return ids.to(self.device), labels.to(self.device)
+
+    def micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This rank's part of a global batch (the same on every rank), cut as the step cuts it: its
+        data-parallel rows in ``n_microbatches`` micro-batches, each holding every tensor of ``batch``
+        (``input_ids``, ``labels``, which default to the ids as in the step, an ``attention_mask``...)
+        on the step's device. For a loop of your own that calls the model (:meth:`call_like_model`);
+        tensor-parallel ranks get the same rows."""
+        self._whole_model_on_this_rank()
+        rows = self._rows(batch["input_ids"].shape[0])
+        local = {"labels": batch["input_ids"], **batch}
+        pieces = {name: tensor[rows].chunk(self.n_microbatches) for name, tensor in local.items()}
+        return [{name: chunks[i].to(self.device) for name, chunks in pieces.items()}
+                for i in range(self.n_microbatches)]
+
+    def _whole_model_on_this_rank(self) -> None:
+        """Refuse (one line, naming the one-call step) a layout where no rank holds the whole model."""
+        topo = self.topology
+        if topo.pp > 1 or len(self.model.chunks) > 1:
+            raise PipelineError(f"the schedule cuts the model into pipeline stages (pp={topo.pp}): a rank holds only "
+                                "its stages and cannot be called like the model; run each step with "
+                                "session.train_step(batch) (micro-batches, pipeline, gradient sync and the optimizer "
+                                "step in one call)")
+        if topo.cp > 1:
+            raise ScheduleError(f"context parallelism (cp={topo.cp}) gives each rank a slice of every sequence: the "
+                                "model cannot be called whole; run each step with session.train_step(batch)")
+
+    def call_like_model(self, *, gather_logits: bool = True, **inputs: Any) -> Any:
+        """The stage called as the Hugging Face model it was scheduled from (``stage(input_ids=...,
+        labels=..., attention_mask=...)`` runs this), for a loop of your own at ``pp=1``: returns the
+        model's own output (a causal LM's ``CausalLMOutputWithPast``, ``.loss`` and ``.logits``),
+        computed as the step computes it: under the precision's autocast, with sequence
+        parallelism's saved shards, the model's loss (its vocabulary-parallel equivalent under
+        ``loss_parallel``). Give each data-parallel rank its own rows (:meth:`micro_batches`).
+
+        Each backward through the output ends with the gradient synchronisation the step does once
+        per step (as DDP's backward does): sequence-partial gradients summed over tensor
+        parallelism, replicated data parallelism averaged (FSDP reduce-scatters by itself under
+        ZeRO), applied to what backward calls added since the last synchronisation only, so an
+        optimizer or a gradient clip sees synchronised gradients and several backward calls before
+        one optimizer step (gradient accumulation) add up right. Inside :meth:`no_sync` a backward
+        leaves its gradients to the next one outside, which synchronises them all at once: the
+        step's own order of sums, so the same gradients bit for bit. Under bf16 the gradients are
+        the fp32 masters' (``stage.master``): what an optimizer of your own must step, then
+        ``stage.master.publish()``.
+
+        Under ``loss_parallel`` the LM head leaves each tensor-parallel rank its slice of the
+        vocabulary. ``.loss`` is computed from the slices, without gathering them; ``.logits`` is
+        gathered to the whole vocabulary (``[batch, seq, vocab]``, differentiable), because code
+        written for the model (an argmax, a metric, a loss of its own) reads them whole and a slice
+        would give it wrong answers without an error. ``gather_logits=False`` keeps this rank's slice
+        (vocabulary ids ``[r * vocab / tp, (r + 1) * vocab / tp)`` on tensor-parallel rank ``r``) and
+        the memory the schedule was tuned with, which holds no whole logits.
+        """
+        self._whole_model_on_this_rank()
+        self._in_backward = False  # no backward runs during a forward of the model (one that raised ended)
+        model = self.model.model
+        sharded = loss_parallel(model)
+        labels = inputs.pop("labels", None) if sharded else None  # else the model computes its own loss
+        as_tuple = inputs.pop("return_dict", None) is False
+        with self.compute_context():
+            output = model(**inputs)
+            logits = output.logits
+            if sharded:
+                fields = dict(output)
+                if labels is not None:
+                    fields["loss"] = default_loss_fn(model, self.topology.tp_group)(logits, labels.to(logits.device))
+                if gather_logits:
+                    fields["logits"] = _comm.gather(logits, -1, self.topology.tp_group)
+                output = type(output)(**fields)  # in the model's field order (loss first)
+        if logits.requires_grad and self._synchronised_by_step():
+            logits.register_hook(self._backward_started)
+        return output.to_tuple() if as_tuple else output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward calls through :meth:`call_like_model`'s outputs inside leave their gradients
+        unsynchronised; the next backward outside synchronises them with its own (DDP's
+        ``no_sync``: accumulate over micro-batches, synchronise once, as the step does)."""
+        self._whole_model_on_this_rank()
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
+    def _synchronised_by_step(self) -> bool:
+        """Whether the step synchronises any gradient itself at pp=1 (FSDP's reductions are FSDP's)."""
+        from .parallelize import sequence_partial_parameters
+
+        topo = self.topology
+        return (topo.dp > 1 and not self.model.zero) or (topo.tp > 1 and bool(sequence_partial_parameters(self.model)))
+
+    def _stepped(self) -> list[torch.Tensor]:
+        """What the optimizer steps: the fp32 masters under bf16, else the parameters themselves."""
+        return list(self.model.master.parameters() if self.model.master is not None else self.model.parameters())
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        # The logits' gradient comes before any parameter's. Synchronised gradients are set aside,
+        # so that the reduction at the end sees only what is not synchronised yet (a sum over the
+        # tensor-parallel ranks must not count them twice).
+        if self._in_backward:  # several outputs in one backward: the first one's hook did it
+            return
+        self._in_backward = True
+        stepped = self._stepped()
+        if self._aside is not None and all(t.grad is None for t in stepped):
+            self._aside = None  # zeroed since a backward under no_sync(): nothing to add back
+        if self._aside is None:
+            self._aside = [t.grad for t in stepped]
+            for t in stepped:
+                t.grad = None
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(self._backward_ended, synchronise=not self._deferred))
+
+    def _backward_ended(self, synchronise: bool) -> None:
+        self._in_backward = False
+        if not synchronise:
+            return
+        self._sync_gradients()
+        for t, grad in zip(self._stepped(), self._aside, strict=True):
+            if grad is not None:
+                if t.grad is None:
+                    t.grad = grad
+                else:
+                    t.grad.add_(grad)
+        self._aside = None
 
     def __call__(self, batch: Mapping[str, torch.Tensor]) -> float:
         return self.run(batch).item()
@@ -378,8 +516,7 @@ class TrainStep:
                 dist.all_reduce(_comm.local_tensor(grad), group=topo.tie_group)
         if topo.tp > 1:  # norms and row-parallel biases under sequence parallelism saw a shard of the tokens
             reduce_sequence_partial_gradients(self.model, self.gradient, topo.tp_group)
-        # what the optimizer steps: the fp32 masters under bf16, else the parameters themselves
-        stepped = list(self.model.master.parameters() if self.model.master is not None else self.model.parameters())
+        stepped = self._stepped()
         if topo.cp > 1:  # context-parallel ranks saw different tokens of the same sequences: their shares add up
             for param in stepped:
                 if param.grad is not None:

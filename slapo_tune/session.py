@@ -105,6 +105,11 @@ class Session:
             self.stage.master.publish()
         return loss
 
+    def micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of a global batch, for a loop of your own that calls the model
+        (``stage(**micro_batch)``; see :meth:`slapo_tune.runtime.TrainStep.micro_batches`)."""
+        return self.step.micro_batches(batch)
+
     def timed_step(self, batch: Mapping[str, torch.Tensor]) -> tuple[float, float, float]:
         """One step started together on every rank: (loss, seconds, seconds this rank's threads
         waited for a core)."""

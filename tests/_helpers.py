@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib
 import ipaddress
+import os
+from pathlib import Path
 
 import torch
 
 import slapo_tune as st
 from slapo_tune.parallelize import apply_checkpointing, apply_tensor_parallel
 
+ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {"gpt2-tiny": "gpt2", "llama-tiny": "llama", "bert-tiny": "bert", "opt-tiny": "opt"}
 
 
@@ -34,6 +37,32 @@ def uncompared(reference: torch.nn.Module, compared_per_rank) -> list[str]:
         names.setdefault(id(param), []).append(name)
     covered = set().union(*map(set, compared_per_rank))
     return [aliases[0] for aliases in names.values() if not covered & set(aliases)]
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a command a test runs (the CLI, torchrun): this checkout, one thread a rank."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def schedule_file(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32,
+                  precision: str = "fp32", measured: dict | None = None, **knobs) -> Path:
+    """A schedule file of one point of ``preset``'s built-in template (knobs not given: no parallelism
+    beyond what is named, micro-batch 2), written to ``path``."""
+    from slapo_tune.models import config_fingerprint, load_config
+    from slapo_tune.plan import Plan, Workload
+    from slapo_tune.schedule_file import make_schedule, write_schedule
+
+    point = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
+             "attn": "sdpa", "fuse": "off", **knobs}
+    world = point["tp"] * point["pp"] * point["dp"]
+    config = load_config(preset)
+    schedule = make_schedule(
+        template={"name": preset.split("-")[0], "version": "1"},
+        plan=Plan.of(point, Workload(world, global_batch, seq_len, precision)), world_size=world,
+        global_batch=global_batch, seq_len=seq_len, precision=precision, device="cpu",
+        model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)}, measured=measured)
+    write_schedule(path, schedule)
+    return path
 
 
 TINY_DECODER = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -4,7 +4,6 @@ under torchrun, loads Hugging Face weights, and refuses bad schedule files in on
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -23,14 +22,13 @@ from slapo_tune.cli import main
 from slapo_tune.data import TrainingData
 from slapo_tune.models import ModelSpec, config_fingerprint, load_config
 from slapo_tune.plan import Plan, Workload
-from slapo_tune.schedule_file import make_schedule, write_schedule
+from slapo_tune.schedule_file import make_schedule
+
+from _helpers import schedule_file as _schedule
+from _helpers import subprocess_env as _env
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+)", re.M)
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -40,21 +38,6 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def _losses(stdout: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in STEP.findall(stdout)}
-
-
-def _schedule(path: Path, preset: str = "gpt2-tiny", global_batch: int = 8, seq_len: int = 32, precision: str = "fp32",
-              measured: dict | None = None, **knobs) -> Path:
-    point = {"tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
-             "attn": "sdpa", "fuse": "off", **knobs}
-    world = point["tp"] * point["pp"] * point["dp"]
-    config = load_config(preset)
-    schedule = make_schedule(
-        template={"name": preset.split("-")[0], "version": "1"},
-        plan=Plan.of(point, Workload(world, global_batch, seq_len, precision)), world_size=world,
-        global_batch=global_batch, seq_len=seq_len, precision=precision, device="cpu",
-        model={"name": preset, "overrides": {}, "fingerprint": config_fingerprint(config)}, measured=measured)
-    write_schedule(path, schedule)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +206,9 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path, no_leftover_children):
 
 
 def test_torchrun_runs_the_same_job(tmp_path, no_leftover_children):
-    schedule = _schedule(tmp_path / "s.json", tp=2)
+    # sequence parallelism and the vocabulary-parallel loss: what the README's loop, which calls the
+    # model as Hugging Face code does, must synchronise and gather itself
+    schedule = _schedule(tmp_path / "s.json", tp=2, sp="on", loss_parallel="on", micro_batch=4)
     ours = _cli("train", "--schedule", str(schedule), "--steps", "3")
     assert ours.returncode == 0, ours.stderr
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -232,7 +217,7 @@ def test_torchrun_runs_the_same_job(tmp_path, no_leftover_children):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _losses(done.stdout) == _losses(ours.stdout) and len(_losses(ours.stdout)) == 3
-    # the README's own-loop example, on the same schedule: the same losses
+    # the README's own-loop example (a Hugging Face-style loop), on the same schedule: the same losses
     text = (ROOT / "README.md").read_text()
     code = re.search(r"In your own training loop.*?```python\n(.*?)```", text, re.S).group(1)
     (tmp_path / "loop.py").write_text(code)
