@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from . import _graph, _schedule, op  # noqa: F401  (op: Slapo's slapo.op)
-from ._build import build as _build
-from ._patterns import call_module  # noqa: F401  (re-exported: Slapo's slapo.pattern.call_module)
-from ._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
-from ._verify import VerifyReport
-from ._verify import verify as _verify
-from .errors import ScheduleError, VerificationError
+from .. import _graph, _schedule, op  # noqa: F401  (op: Slapo's slapo.op)
+from .._build import build as _build
+from .._patterns import call_module  # noqa: F401  (re-exported: Slapo's slapo.pattern.call_module)
+from .._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
+from .._verify import VerifyReport
+from .._verify import verify as _verify
+from ..errors import ScheduleError, VerificationError
 
 # Slapo's compiler names -> torch.compile backends (TorchScript is deprecated in PyTorch; None
 # grouped the subgraph into one module without compiling it)
