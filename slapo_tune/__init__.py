@@ -5,11 +5,6 @@ The public API is re-exported here; modules starting with ``_`` are private.
 
 from __future__ import annotations
 
-import os as _os
-
-_os.environ.setdefault("HF_HUB_OFFLINE", "1")
-_os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
 from typing import TYPE_CHECKING
 
 from .errors import (

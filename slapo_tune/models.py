@@ -22,9 +22,6 @@ if TYPE_CHECKING:  # torch is imported where a model is built: planning needs no
     import torch
     from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
 @dataclass(frozen=True)
 class Preset:
     """A named model configuration: the Hugging Face config class, its task class and values."""
@@ -157,7 +154,9 @@ def load_config(name_or_path: str | os.PathLike, **overrides: Any):
         if not isinstance(read_json_file(path, "model config"), dict):
             raise UsageError(f"model config {path} is not a JSON object")
         try:
-            config = transformers.AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path))
+            # a local file, never the Hub (a folder named like a Hub model must not reach the network)
+            config = transformers.AutoConfig.from_pretrained(str(path.parent if path.name == "config.json" else path),
+                                                             local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers' validators raise many kinds: one line
             raise UsageError(f"cannot read model config {path}: {_first_line(exc)}") from None
     for key, value in overrides.items():

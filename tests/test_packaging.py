@@ -1,6 +1,9 @@
 """The two README commands exist, CI runs the test command, and only our packages are installed."""
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -35,3 +38,22 @@ def test_console_script_is_declared():
     deps = " ".join(conf["project"]["dependencies"])
     for dep in ("torch", "transformers", "optuna", "ray[default]", "pandas"):
         assert dep in deps
+
+
+def test_importing_the_library_changes_no_environment(tmp_path):
+    """A program that imports slapo_tune (and builds a model from a local config) keeps its own
+    environment: the Hub and transformers' logging stay as it set them. Only the command line,
+    which owns its process, sets them."""
+    import json
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 32, "n_head": 2, "n_layer": 1,
+         "n_positions": 16, "vocab_size": 64}))
+    code = ("import os, slapo_tune; m = slapo_tune.build_model(os.environ['CFG']); "
+            "print(sorted(k for k in ('HF_HUB_OFFLINE', 'TRANSFORMERS_VERBOSITY') if k in os.environ), type(m).__name__)")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY")}
+    env["CFG"] = str(tmp_path / "m")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "GPT2LMHeadModel"]

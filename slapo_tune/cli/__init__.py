@@ -9,6 +9,7 @@ Every command turns bad input into one line on stderr and an exit code a schedul
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -58,6 +59,11 @@ def interrupted_exit_code(exc: KeyboardInterrupt) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # the command owns its process (and the ranks it starts inherit this): nothing is downloaded,
+    # and transformers' advice on models built from configs is noise here. Importing the library
+    # changes no environment.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     with sigterm_as_interrupt():
         return _run(argv)
 
