@@ -21,7 +21,11 @@ def interleaved_microbatches_ok(n_microbatches: int, pp: int) -> bool:
     return n_microbatches >= pp and n_microbatches % max(1, n_microbatches // pp) == 0
 
 
-def checkpointed_indices(num_layers: int, ratio: float, policy: str = "uniform") -> list[int]:
+# how the templates spread a checkpoint ratio over the blocks, which the cost model predicts
+CKPT_SPREAD = "uniform"
+
+
+def checkpointed_indices(num_layers: int, ratio: float, policy: str = CKPT_SPREAD) -> list[int]:
     """Which of ``num_layers`` blocks to checkpoint for a ``ratio`` in [0, 1].
 
     ``round(ratio * num_layers)`` blocks are chosen. ``"first"`` takes the first k (they hold

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import _comm
 from ._partition import (  # noqa: F401  (re-exported)
+    CKPT_SPREAD,
     checkpointed_indices,
     interleaved_microbatches_ok,
     stage_block_counts,
@@ -318,7 +319,7 @@ def reduce_sequence_partial_gradients(model: nn.Module, gradient: Callable[[torc
             offset += g.numel()
 
 
-def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, spread: str = "uniform", *,
+def apply_checkpointing(blocks: Sequence[Schedule], ratio: float, spread: str = CKPT_SPREAD, *,
                         policy: str = "full") -> list[int]:
     """Checkpoint a ``ratio`` of the repeated ``blocks`` (chosen by ``spread``, see
     :func:`checkpointed_indices`) with ``policy`` (``"full"``: recompute the whole block;

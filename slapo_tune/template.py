@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._partition import interleaved_microbatches_ok
+from ._partition import CKPT_SPREAD, interleaved_microbatches_ok
 from .errors import ScheduleError
 from .plan import Workload, accumulation, knob_value
 from .space import Knob, Point, Space, divisors
@@ -35,7 +35,6 @@ if TYPE_CHECKING:  # a template's space needs no torch (plan); applying a point 
     from ._schedule import Schedule
 
 CKPT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
-CKPT_SPREAD = "uniform"
 
 
 @dataclass(frozen=True)

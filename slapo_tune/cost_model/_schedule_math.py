@@ -9,7 +9,7 @@ import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._partition import rank_block_count
+from .._partition import CKPT_SPREAD, checkpointed_indices, rank_block_count
 from ..plan import knob_value
 
 if TYPE_CHECKING:  # annotations only: the layout's module imports nothing of this one
@@ -78,10 +78,8 @@ def rank_blocks(total_layers: int, pp: int, rank: int, vpp: int = 1) -> list[int
 
 @functools.lru_cache(maxsize=4096)
 def checkpointed_per_chunk(ratio: float, total_layers: int, pp: int, rank: int, vpp: int = 1) -> tuple[int, ...]:
-    """How many blocks of each of ``rank``'s ``vpp`` chunks are checkpointed (uniform spreading)."""
-    from .._partition import checkpointed_indices
-
-    chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
+    """How many blocks of each of ``rank``'s ``vpp`` chunks are checkpointed (spread as the templates do)."""
+    chosen = set(checkpointed_indices(total_layers, ratio, CKPT_SPREAD))
     blocks = rank_blocks(total_layers, pp, rank, vpp)
     chunk = len(blocks) // vpp
     return tuple(sum(1 for i in blocks[k * chunk:(k + 1) * chunk] if i in chosen) for k in range(vpp))
@@ -150,9 +148,7 @@ def _stage_ckpt_summary(ratio: float, total_layers: int, pp: int, stage: int, vp
 @functools.lru_cache(maxsize=4096)
 def _stage_ckpt_positions(ratio: float, total_layers: int, pp: int, stage: int, vpp: int = 1) -> frozenset[int]:
     """The local indices (in :func:`rank_blocks` order) of the checkpointed blocks of a rank."""
-    from .._partition import checkpointed_indices
-
-    chosen = set(checkpointed_indices(total_layers, ratio, "uniform"))
+    chosen = set(checkpointed_indices(total_layers, ratio, CKPT_SPREAD))
     return frozenset(j for j, i in enumerate(rank_blocks(total_layers, pp, stage, vpp)) if i in chosen)
 
 
