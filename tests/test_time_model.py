@@ -148,9 +148,11 @@ def test_a_ring_across_nodes_drives_every_nic_of_its_ranks_in_a_node():
     hw = hardware("h100-80gb")
     size = 2**30
     rails = min(hw.devices_per_node * hw.inter_bandwidth, hw.intra_bandwidth)
-    assert _ring(size, 64, hw) == pytest.approx(126 * hw.latency + 2 * 63 / 64 * size / rails)
-    assert _ring(size, 8, hw, stride=8) == pytest.approx(14 * hw.latency + 2 * 7 / 8 * size / hw.inter_bandwidth)
-    assert _ring(size, 8, hw) == pytest.approx(14 * hw.latency + 2 * 7 / 8 * size / hw.intra_bandwidth)
+    # FSDP's reduce-scatter (a ring: NCCL's all-reduce may take its tree, see below)
+    assert _ring(size, 64, hw, "reduce_scatter") == pytest.approx(63 * hw.latency + 63 / 64 * size / rails)
+    assert _ring(size, 8, hw, "reduce_scatter", stride=8) == pytest.approx(
+        7 * hw.latency + 7 / 8 * size / hw.inter_bandwidth)
+    assert _ring(size, 8, hw, "reduce_scatter") == pytest.approx(7 * hw.latency + 7 / 8 * size / hw.intra_bandwidth)
     runs = {r["id"]: r for r in load_runs()}
     eight, sixty_four = (evaluate(runs[f"mpt-13b h100-80gb x{n} s2048"], rank=False) for n in (8, 64))
     assert sixty_four["predicted_tokens"] == pytest.approx(eight["predicted_tokens"], rel=0.05)
@@ -226,6 +228,26 @@ def test_a_node_drives_no_more_nics_than_it_has():
     assert v100.nics_per_node == 4
     size = 2**30
     assert _ring(size, 16, v100, "all_gather") == pytest.approx(15 * v100.latency + 15 / 16 * size / (4 * v100.inter_bandwidth))
+
+
+def test_an_all_reduce_on_gpus_takes_the_tree_when_it_is_faster():
+    """NCCL's all-reduce: a ring (2(n-1) steps, 2(n-1)/n of the bytes) or a double binary tree
+    (2 log2 n steps, twice the bytes), whichever is faster. A small gradient all-reduce over 1,024
+    ranks costs 20 tree steps, not 2,046 ring steps; a large one stays the ring's; a CPU's gloo
+    all-reduce stays a ring."""
+    from slapo_tune.cost_model.analytic import _ring
+
+    h100 = hardware("h100-80gb")
+    small, large = 2**10, 2**30
+    bw = h100.bandwidth(1024, True, 8)
+    assert _ring(small, 1024, h100) == pytest.approx(20 * h100.latency + 2 * small / bw)
+    assert _ring(small, 1024, h100) < _ring(small, 64, h100) * 2  # log n, not n
+    bw16 = h100.bandwidth(16, True, 8)  # two nodes: the ring's 15/16 of the bytes beat the tree's 8 fewer steps
+    assert _ring(large, 16, h100) == pytest.approx(30 * h100.latency + 2 * 15 / 16 * large / bw16)
+    assert _ring(large, 16, h100) < 8 * h100.latency + 2 * large / bw16
+    cpu = hardware("a100-80gb")
+    cpu = type(cpu)(**{**cpu.as_dict(), "name": "cpu", "cores": 64})  # a CPU's (gloo's) all-reduce: a ring
+    assert _ring(small, 64, cpu) == pytest.approx(126 * cpu.latency + 2 * 63 / 64 * small / cpu.bandwidth(64, True, 8))
 
 
 def test_hardware_presets_are_data_with_sources(tmp_path):

@@ -47,16 +47,23 @@ def samples_per_second(global_batch: int, step: Any) -> Any:
 
 
 def _ring(bytes_: Any, n: Any, hw: Hardware, kind: str = "all_reduce", stride: Any = 1) -> Any:
-    """A ring collective over ``n`` ranks ``stride`` apart (alpha-beta): across nodes once the
-    ring spans more devices than a node holds. Elementwise over arrays of points (see
-    :func:`time_columns`)."""
+    """A collective over ``n`` ranks ``stride`` apart (alpha-beta): across nodes once the group
+    spans more devices than a node holds. A ring takes ``n - 1`` steps per pass. On GPUs an
+    all-reduce runs as NCCL picks by size: a ring, or its double binary tree, ``2 log2(n)`` steps
+    that move every byte twice (up reduced, down broadcast), whichever is faster: the tree for
+    small messages over many ranks (a gradient all-reduce over hundreds of data-parallel ranks),
+    the ring for large ones. Elementwise over arrays of points (see :func:`time_columns`)."""
     spans = n * stride > hw.devices_per_node
     # the ring's ranks in one node (ranks stride apart: a node holds devices_per_node / stride of them)
     per_node = _min(n, _max(hw.devices_per_node // stride, 1))
+    bandwidth = hw.bandwidth(n, spans, per_node)
     factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return choose((n <= 1) | (bytes_ <= 0), 0.0,
-                  steps * hw.latency + factor * bytes_ / hw.bandwidth(n, spans, per_node))
+    seconds = steps * hw.latency + factor * bytes_ / bandwidth
+    if kind == "all_reduce" and not hw.cores:
+        tree = 2 * np.ceil(np.log2(_max(n, 2))) * hw.latency + 2 * bytes_ / bandwidth
+        seconds = _min(seconds, tree)
+    return choose((n <= 1) | (bytes_ <= 0), 0.0, seconds)
 
 
 def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> tuple[Any, Any]:
