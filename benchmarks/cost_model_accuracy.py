@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import random
 import statistics
 import time
@@ -23,8 +22,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from slapo_tune.problem import Problem
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks._stats import isolated_cache, results_dir, save_json, spearman  # noqa: E402
 

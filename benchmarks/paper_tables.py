@@ -34,11 +34,8 @@ and ``python -m benchmarks`` puts its section into ``REPORT.md`` (:func:`report_
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks._stats import isolated_cache, publish  # noqa: E402
 

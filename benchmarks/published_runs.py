@@ -43,12 +43,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import time
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks._stats import isolated_cache, publish, spearman  # noqa: E402
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import statistics
 import time
 from pathlib import Path
@@ -24,8 +23,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from slapo_tune.problem import Problem, ProblemSpec
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # fixed: the knobs the grid holds at one value (sp, ckpt_policy, vpp, loss_parallel and cp did not exist when it was
 # recorded: their values then); zero: the ZeRO levels it holds (recorded before levels 1 and 2)

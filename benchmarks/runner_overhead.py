@@ -13,8 +13,6 @@ import os
 import statistics
 import tempfile
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from benchmarks._stats import median_iqr, save_json  # noqa: E402
 
 

@@ -29,8 +29,6 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from benchmarks._stats import (  # noqa: E402
     RECORDED_CPU,
     alternate,
