@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UsageError
+from .precision import Precision, precision
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class Workload:
     global_batch: int
     seq_len: int = 128
     precision: str = "fp32"
+
+    @property
+    def mode(self) -> Precision:
+        """The precision's dtypes and rules (the one place its name becomes them)."""
+        return precision(self.precision)
 
 
 def accumulation(workload: Workload, dp: int, micro_batch: int) -> int:

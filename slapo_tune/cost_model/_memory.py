@@ -218,13 +218,12 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     ``backend`` ``nccl`` (CUDA ranks): SDPA runs a fused kernel (FlashAttention-2 or the
     memory-efficient one, attention dropout included) that keeps no scores, whatever the probe's
     CPU run kept (torch's math fallback under dropout); the time model charges it as such."""
-    from ..precision import precision
 
     tp, b, attn, fuse = point["tp"], point["micro_batch"], point["attn"], point["fuse"]
     cp = knob_value(point, "cp")
     sp = tp > 1 and knob_value(point, "sp") == "on"
     selective = point["ckpt_ratio"] > 0 and knob_value(point, "ckpt_policy") == "selective"
-    mode = precision(workload.precision)
+    mode = workload.mode
     s, B = workload.seq_len, mode.activation_bytes
     q = layout.heads * layout.head_dim
     kv = layout.kv_heads * layout.head_dim

@@ -132,14 +132,13 @@ class _Knobs(NamedTuple):
 def _read_knobs(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, backend: str,
                 acts: BlockActivations | None, linear: bool) -> _Knobs:
     """:func:`stage_builder`'s knobs, read once."""
-    from ..precision import precision
 
     # the knobs, read once (a Plan's mapping access is not free: plan evaluates ~15k points)
     tp, pp, dp, b = point["tp"], point["pp"], point["dp"], point["micro_batch"]
     zero, ratio, schedule = point["zero"], point["ckpt_ratio"], point["pipeline_schedule"]
     pipelined = _same(pp > 1)
     vpp = knob_value(point, "vpp") if pipelined else 1  # a point without it means what it always meant
-    mode = precision(workload.precision)
+    mode = workload.mode
     s, B = workload.seq_len, mode.activation_bytes
     Pb = mode.param_bytes  # what the model computes with: held (replicated) or gathered (FSDP)
     m = accumulation(workload, dp, b)

@@ -254,9 +254,8 @@ class _Step(NamedTuple):
 
 def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> _Step:
     """The knobs :func:`time_columns` reads, the slowest stage's blocks, time slots and parameters."""
-    from ..precision import precision
 
-    mode = precision(workload.precision)
+    mode = workload.mode
     tp, pp, dp, cp = point["tp"], point["pp"], point["dp"], point["cp"]
     b, s, B = point["micro_batch"], workload.seq_len, mode.activation_bytes
     m = accumulation(workload, dp, b)

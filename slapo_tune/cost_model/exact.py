@@ -202,9 +202,8 @@ def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int
     is refused (:data:`FP8_EXACT_REFUSAL`): FP8 kernels do not run on fake CPU tensors.
     """
     from ..errors import UsageError
-    from ..precision import precision
 
-    if precision(problem.workload.precision).fp8:
+    if problem.workload.mode.fp8:
         raise UsageError(FP8_EXACT_REFUSAL)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
