@@ -140,7 +140,8 @@ def generate_pipeline_partition(sch: Any) -> Any:
         owner, target = _owner(cut)
         _call_of(owner, target, cut.path).meta[_CUT] = True
         owners[owner.path] = owner
-    top_path = _common_prefix(list(owners))
+    # stages are cut at the top, or, when cuts lie in several graphs, at their lowest common module
+    top_path = _common_prefix(list(owners)) if len(owners) > 1 else ""
     while not isinstance(root[top_path].mod, fx.GraphModule):  # a module list's path: its traced parent
         top_path = top_path.rpartition(".")[0]
     # the deepest owners first, so each split is inlined into a graph that is split later
