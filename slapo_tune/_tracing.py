@@ -384,6 +384,9 @@ def trace_levels(module: nn.Module, path: str, *, leaf_types: tuple[type, ...] =
     traced stays as it is, as under Slapo). ``examples``: fake example inputs by parameter name
     (default: made from the signature and config when symbolic tracing fails)."""
     fake_mode = _fake_mode()
+    if examples is not None:  # given tensors, on the module's device (meta for a model built empty)
+        device = _placement(module)[0]
+        examples = {k: _fake(fake_mode, v.to(device)) if isinstance(v, torch.Tensor) else v for k, v in examples.items()}
     return _trace_level(module, path, leaf_types, list(leaf_names), concrete_args, flatten, recursive, config,
                         examples, fake_mode, top=True)
 
