@@ -125,10 +125,15 @@ class _PatternTracer(_Tracer):
 
 
 def trace_module(module: nn.Module, path: str, example_args: tuple | None = None,
-                 example_kwargs: dict | None = None, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
-    """A GraphModule computing what ``module`` computes (parameters shared, not copied)."""
+                 example_kwargs: dict | None = None, leaf_types: tuple[type, ...] = (), **levels) -> fx.GraphModule:
+    """A GraphModule computing what ``module`` computes (parameters shared, not copied).
+    ``levels``: Slapo's tracing options (:func:`slapo_tune._tracing.trace_levels`)."""
     if isinstance(module, fx.GraphModule):
         raise TraceError(f"trace('{path}'): already traced")
+    if levels:
+        from ._tracing import trace_levels
+
+        return trace_levels(module, path, leaf_types=leaf_types, **levels)
     try:
         graph = _Tracer(leaf_types).trace(module)
         gm = fx.GraphModule(module, graph, type(module).__name__)

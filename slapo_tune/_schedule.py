@@ -467,7 +467,7 @@ class Schedule:
         return node
 
     def trace(self, example_args: tuple | None = None, example_kwargs: dict | None = None, *,
-              model_inputs: dict | None = None, leaf_types: tuple[type, ...] = ()) -> Schedule:
+              model_inputs: dict | None = None, leaf_types: tuple[type, ...] = (), **levels) -> Schedule:
         """Turn this module into a graph (``torch.fx.GraphModule``) that ``find`` can match.
 
         The traced module keeps its path, parameters and numerics. Sharded/synced/checkpointed
@@ -475,13 +475,16 @@ class Schedule:
         cannot trace the module, ``torch.export`` traces it from example inputs (the graph is then
         specialised to their shapes): ``example_args``/``example_kwargs`` exactly as the parent
         calls it, or ``model_inputs`` for the whole model, from which this module's call is
-        captured. Raises :class:`TraceError` naming the module and the reason.
+        captured. Raises :class:`TraceError` naming the module and the reason. ``levels``: Slapo's
+        options (``concrete_args``, ``leaf_names``, ``flatten``, ``recursive``, ``config``; see
+        :func:`slapo_tune._tracing.trace_levels`), used by ``slapo_tune.compat``.
         """
         from ._graph import capture_call, trace_module
 
         if model_inputs is not None:
             example_args, example_kwargs = capture_call(self.root.mod, self.mod, model_inputs)
-        gm = trace_module(self.mod, self.path or type(self.mod).__name__, example_args, example_kwargs, leaf_types)
+        gm = trace_module(self.mod, self.path or type(self.mod).__name__, example_args, example_kwargs, leaf_types,
+                          **levels)
         # a model's initialiser recognises modules by type: keep the original for materialisation
         gm.__dict__[TRACED_FROM] = self.mod.__dict__.get(TRACED_FROM, self.mod)
         return self._swap(gm, state_of(self.mod))

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "slapo_tune._context_parallel",
         "slapo_tune._comm",
         "slapo_tune._sharding",
-        "slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._pipeline", "slapo_tune._build",
+        "slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._tracing", "slapo_tune._pipeline", "slapo_tune._build",
         "slapo_tune._data_parallel", "slapo_tune._verify", "slapo_tune.parallelize", "slapo_tune.topology",
         "slapo_tune.runtime", "slapo_tune.models", "slapo_tune.launch", "slapo_tune.data", "slapo_tune.space",
         "slapo_tune.memory", "slapo_tune.checkpoint", "slapo_tune.units",
@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # the schedule language's modules call each other (a tree node fuses through the graph module,
 # the graph module schedules what it builds): circles among them are allowed, and only there
-LANGUAGE = {"slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._pipeline", "slapo_tune._build",
+LANGUAGE = {"slapo_tune._schedule", "slapo_tune._graph", "slapo_tune._tracing", "slapo_tune._pipeline", "slapo_tune._build",
             "slapo_tune._sharding", "slapo_tune._comm", "slapo_tune._data_parallel", "slapo_tune._verify"}
 
 

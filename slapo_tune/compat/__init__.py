@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .. import _graph, _schedule, op  # noqa: F401  (op: Slapo's slapo.op)
+from .. import _graph, _schedule, _tracing, op  # noqa: F401  (op: Slapo's slapo.op)
 from .._build import build as _build
 from .._patterns import call_module  # noqa: F401  (re-exported: Slapo's slapo.pattern.call_module)
 from .._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
@@ -194,17 +194,49 @@ class Schedule:
             module.__dict__["mod"] = module  # not a child: paths and state-dict keys stay the same
 
     def trace(self, recursive: bool = True, flatten: bool = False, **kwargs) -> bool:
-        """Slapo's ``trace`` (one flat graph; ``leaf_modules``: names of module types kept as calls).
-        Raises :class:`~slapo_tune.TraceError` where Slapo returned False."""
+        """Slapo's ``trace``: one graph per module level, each traced child a GraphModule of its own
+        (``recursive``), or one flat graph (``flatten``; the children of the traced module stay
+        schedules, their descendants do not, as under Slapo). ``concrete_args``: values some inputs
+        are traced with (``inspect.Parameter.empty``: not given); ``leaf_modules``: type names (or
+        parts of them) and paths kept as calls; ``config``: the model config example inputs are
+        shaped from where symbolic tracing fails (default: the module's or the model's). ``tracer``:
+        ``"pytorch"`` and ``"huggingface"`` trace alike here; ``"dynamo"`` takes the tensors of
+        ``concrete_args`` as example inputs. Raises :class:`~slapo_tune.TraceError` where Slapo
+        returned False; a child that cannot be traced stays a module, as under Slapo."""
         if isinstance(self.mod, fx.GraphModule):
             return True
-        leaf_names = set(kwargs.pop("leaf_modules", ()))
-        kwargs.pop("tracer", None)
+        tracer = kwargs.pop("tracer", "pytorch")
+        if tracer not in ("pytorch", "huggingface", "dynamo"):
+            raise ScheduleError(f"trace('{self.path}'): unknown tracer {tracer!r}; use 'pytorch', 'huggingface' or 'dynamo'")
+        concrete = dict(kwargs.pop("concrete_args", None) or {})
+        leaf_names = list(kwargs.pop("leaf_modules", ()))
+        config = kwargs.pop("config", None)
         if kwargs:
             raise ScheduleError(f"trace('{self.path}'): unsupported argument(s) {', '.join(sorted(kwargs))}")
-        leaves = tuple({type(m) for m in self.mod.modules() if type(m).__name__ in leaf_names})
-        self._node.trace(leaf_types=leaves)
+        examples = None
+        if tracer == "dynamo":
+            examples = {k: v for k, v in concrete.items() if isinstance(v, torch.Tensor)}
+            concrete = {k: v for k, v in concrete.items() if k not in examples}
+        if config is None and _tracing._config_of(self.mod) is None:
+            config = getattr(self._root.mod, "config", None)
+        self._node.trace(concrete_args=concrete, leaf_names=leaf_names, flatten=flatten, recursive=recursive,
+                         config=config, examples=examples)
+        if flatten:
+            for child in self._node.child.values():
+                child.child = {}
         return True
+
+    def trace_until(self, paths: str | Sequence[str], **kwargs) -> bool:
+        """Slapo's ``trace_until``: trace the model level by level down to the modules at ``paths``,
+        whose children stay calls (so stages can be cut after them). Only on the top module."""
+        if self.path:
+            raise ScheduleError(f"trace_until('{self.path}'): only the top module traces until a level")
+        if isinstance(self.mod, fx.GraphModule):
+            raise ScheduleError("trace_until(): the top module is already traced")
+        leaves = [name for path in ([paths] if isinstance(paths, str) else paths)
+                  for name in _tracing._children(self._root[path].mod)]
+        return self.trace(recursive=True, flatten=False, leaf_modules=leaves,
+                          tracer=kwargs.pop("tracer", "pytorch"), concrete_args=kwargs.pop("concrete_args", {}))
 
     def _traced(self) -> fx.GraphModule:
         self.trace()
@@ -237,6 +269,15 @@ class Schedule:
         self._node.decompose()
 
     def cut_pipeline_stage(self) -> None:
+        """A stage ends after this module. Under a traced parent (``trace_until``), Slapo's cut in
+        its graph, for ``slapo.pipeline.generate_pipeline_partition``; else slapo-tune's (after a
+        block of a module list, for ``build`` with a pipeline topology)."""
+        parent = self._node.parent
+        if parent is not None and isinstance(parent.mod, fx.GraphModule):
+            from .pipeline import mark_cut
+
+            mark_cut(self._node)
+            return
         self._node.cut_pipeline_stage()
 
     def annotate(self, param_name: str, key: str, value: Any) -> None:

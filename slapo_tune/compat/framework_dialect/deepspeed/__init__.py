@@ -1,0 +1,1 @@
+"""Slapo's ``slapo.framework_dialect.deepspeed``."""
