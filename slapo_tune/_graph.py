@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ._patterns import has_normal_form, named_calls, normal_form
+from ._patterns import NormalForm, has_normal_form, normal_form
 from ._schedule import INIT_PARTS, ModuleState, checkpointed_call, state_of
 from ._sharding import is_conv1d
 from .errors import PatternError, ScheduleError, TraceError
@@ -245,25 +246,115 @@ def _pattern_graph(node, pattern: Callable):
     return nf
 
 
-def find_pattern(node, pattern: Callable, *, allow_empty: bool = False) -> list[Match]:
+def _matcher(pattern: fx.Graph, target: NormalForm, *, by_operation: bool):
+    """A subgraph matcher over normal forms (torch's ``SubgraphMatcher``, imported here only).
+
+    A pattern's :func:`~slapo_tune._patterns.call_module` node matches a call of a module whose
+    path its expression matches, whatever the module's normal form (the other pattern nodes still
+    see ``F.relu`` in a ``ReLU`` whose path the expression also matches); it gives the module its
+    arguments, the module's own (weights, attributes) are not compared.
+
+    ``by_operation`` matches operations and the dataflow between them, as Slapo's ``find`` did,
+    instead of slapo-tune's exact reading of a pattern:
+
+    * every use of a pattern argument is its own wildcard (see :func:`_one_placeholder_per_use`):
+      ``F.relu(x) + x`` finds ``F.relu(a) + b`` (in the exact reading both uses are one value);
+    * the pattern's constants match anything: ``F.dropout(x)`` finds a dropout of any ``p``, and
+      ``F.layer_norm(x, 1024)`` a norm with weights (Slapo compared operations, not arguments);
+    * an intermediate value may also be used outside the match (the match is found; ``replace`` and
+      ``fuse`` refuse it, since the outside user would lose its input).
+    """
+    from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
+
+    def called_path(gn: fx.Node) -> str | None:
+        """The path of the module whose call ``gn`` is the normal form of (None: not a module call
+        the schedule left matchable)."""
+        origin = target.origin.get(gn)
+        return origin.target if origin is not None and origin.op == "call_module" and gn.op != "call_module" else None
+
+    class PatternMatcher(SubgraphMatcher):
+        def _nodes_are_equal(self, pn, gn, node_name_match=""):
+            regex = getattr(pn.target, "regex", None) if pn.op == "call_function" else None
+            if regex is None:
+                return super()._nodes_are_equal(pn, gn, node_name_match)
+            path = called_path(gn)
+            return path is not None and regex.match(path) is not None
+
+        def _match_nodes(self, pn, gn, match, node_name_match=""):
+            if by_operation and pn.op == "placeholder":  # one use of one argument
+                match.nodes_map[pn] = gn
+                return True
+            if pn.op != "call_function" or not hasattr(pn.target, "regex"):
+                return super()._match_nodes(pn, gn, match, node_name_match)
+            if pn in match.nodes_map:
+                return match.nodes_map[pn] == gn
+            if gn in match.nodes_map.values() or not self._nodes_are_equal(pn, gn) or len(pn.args) > len(gn.args):
+                return False
+            match.nodes_map[pn] = gn
+            for a, b in zip(pn.args, gn.args):  # the module's inputs; what it holds comes after them
+                both = isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                if not (self._match_nodes(a, b, match) if both else self._match_literals(a, b, match)):
+                    del match.nodes_map[pn]
+                    return False
+            return True
+
+        def _match_literals(self, pn, gn, match):
+            if not by_operation:
+                return super()._match_literals(pn, gn, match)
+            if isinstance(pn, fx.Node):  # an argument may stand for a constant; an operation may not
+                if pn.op == "placeholder":
+                    match.nodes_map[pn] = gn
+                return pn.op == "placeholder"
+            return True
+
+        def _is_contained(self, nodes_map) -> bool:
+            return True if by_operation else super()._is_contained(nodes_map)
+
+    return PatternMatcher(pattern, match_output=False, match_placeholder=False, remove_overlapping_matches=True)
+
+
+def _one_placeholder_per_use(graph: fx.Graph) -> fx.Graph:
+    """A copy of a pattern graph in which every use of an argument reads a placeholder of its own."""
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            continue
+        env[node] = out.node_copy(node, lambda a: out.placeholder(f"{a.name}_use") if a.op == "placeholder" else env[a])
+    return out
+
+
+def external_inputs(nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """The nodes outside ``nodes`` that they read, each once, in graph order of their readers and
+    argument order (what a replacement of the subgraph takes, in Slapo's order)."""
+    inside, found = set(nodes), {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                found.setdefault(a, None)
+    return list(found)
+
+
+def find_pattern(node, pattern: Callable, *, allow_empty: bool = False, by_operation: bool = False) -> list[Match]:
     """Every non-overlapping match of ``pattern`` in ``node``'s graph.
 
     ``pattern`` is a function of tensors or an ``nn.Module``; it may call functionals or modules,
     and module calls match their functional forms (``_patterns``: the pattern and a copy of the
     target graph are matched in one normal form). Raises :class:`PatternError`, never anything else,
     when the pattern cannot be matched or matches nothing (with ``allow_empty``: returns ``[]``).
-    """
-    from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
 
+    ``by_operation`` matches as Slapo's ``find`` did (see :func:`_matcher`); a match's
+    ``inputs`` are then its :func:`external_inputs`, since one argument may stand for several values.
+    """
     gm = node.mod
     if not isinstance(gm, fx.GraphModule):
         raise TraceError(f"find('{node.path}'): {type(gm).__name__} is not traced; call trace() on it first")
     pat = _pattern_graph(node, pattern)
     target = normal_form(gm.graph, gm.get_submodule, opaque=lambda m: _has_schedule_effects(state_of(m)),
-                         pattern=False, named=named_calls(pat.graph))
+                         pattern=False)
     try:
-        found = SubgraphMatcher(pat.graph, match_output=False, match_placeholder=False,
-                                remove_overlapping_matches=True).match(target.graph)
+        graph = _one_placeholder_per_use(pat.graph) if by_operation else pat.graph
+        found = _matcher(graph, target, by_operation=by_operation).match(target.graph)
     except Exception as exc:  # noqa: BLE001 - the matcher asserts on what it does not support
         raise PatternError(f"find('{node.path}'): cannot match the pattern ({type(exc).__name__}: {exc}); "
                            "write it with torch functionals or nn modules over tensor arguments") from None
@@ -287,10 +378,17 @@ def find_pattern(node, pattern: Callable, *, allow_empty: bool = False) -> list[
 
     matches = []
     for m in found:
+        computed = {t for p, t in m.nodes_map.items() if p.op not in ("placeholder", "output")}
+        arguments = [t for p, t in m.nodes_map.items() if p.op == "placeholder"]
+        if by_operation:
+            if any(a in computed for a in arguments):
+                continue  # an argument of the pattern computed by the match itself
+            inner = sorted({target.origin[t] for t in computed}, key=order.get)
+            matches.append(Match(node, pattern, inner, external_inputs(inner), target.origin[m.returning_nodes[0]]))
+            continue
         if any(not isinstance(m.nodes_map[h], fx.Node) for h in pat.held if h in m.nodes_map):
             continue  # a pattern module's weight stands for a tensor, not for a missing one (None)
-        inner = sorted({target.origin[t] for p, t in m.nodes_map.items() if p.op not in ("placeholder", "output")},
-                       key=order.get)
+        inner = sorted({target.origin[t] for t in computed}, key=order.get)
         inputs = [bound(m.nodes_map[p]) for p in pat.placeholders if p in m.nodes_map]
         matches.append(Match(node, pattern, inner, inputs, target.origin[m.returning_nodes[0]]))
     if not matches and not allow_empty:
@@ -299,10 +397,12 @@ def find_pattern(node, pattern: Callable, *, allow_empty: bool = False) -> list[
     return matches
 
 
-def _accepts(fn: Callable, n: int) -> bool:
+def accepts(fn: Callable, n: int, kwargs: dict | None = None) -> bool:
+    """Whether ``fn`` (a function or a module's forward) can be called with ``n`` positional
+    arguments and ``kwargs``."""
     target = fn.forward if isinstance(fn, nn.Module) else fn
     try:
-        inspect.signature(target).bind(*([None] * n))
+        inspect.signature(target).bind(*([None] * n), **(kwargs or {}))
     except TypeError:
         return False
     except ValueError:  # builtins without a signature: let them run
@@ -310,52 +410,96 @@ def _accepts(fn: Callable, n: int) -> bool:
     return True
 
 
+def check_replaceable(matches: Sequence[Match], where: str) -> None:
+    """PatternError unless every match is still in its graph and only its result leaves it."""
+    for match in matches:
+        gm: fx.GraphModule = match.owner.mod
+        if any(n.graph is not gm.graph for n in match.nodes) or any(n not in gm.graph.nodes for n in match.nodes):
+            raise PatternError(f"{where}: the match is stale (its graph changed); find it again")
+        escaping = [n for n in match.nodes if n is not match.output and any(u not in match.nodes for u in n.users)]
+        if escaping:
+            users = ", ".join(u.name for u in escaping[0].users if u not in match.nodes)
+            raise PatternError(
+                f"{where}: {escaping[0].name} inside the match is also used outside it (by {users}); "
+                "only the pattern's result may leave a replaced subgraph"
+            )
+
+
+def substitute(matches: Sequence[Match], op: str, target, args: Sequence, kwargs: dict | None = None) -> fx.Node:
+    """The matches' nodes become one call (``op``: ``"call_module"`` or ``"call_function"``) of
+    ``target(*args, **kwargs)``: with one match, its result's users read the call; with several,
+    the i-th match's users read ``call[i]`` (horizontal fusion). Call :func:`check_replaceable` first.
+    The call goes before the first node that reads a result, so every argument must come before it."""
+    gm: fx.GraphModule = matches[0].owner.mod
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inside = {n for m in matches for n in m.nodes}
+    readers = [u for m in matches for u in m.output.users if u not in inside]
+    anchor = min(readers, key=order.__getitem__) if readers else max(inside, key=order.__getitem__).next
+    read: list[fx.Node] = []
+    fx.node.map_arg((tuple(args), dict(kwargs or {})), read.append)
+    late = [a for a in read if order[a] >= order[anchor]]
+    if late:
+        raise PatternError(f"replace('{matches[0].owner.path}'): {late[0].name}, an input, is computed after "
+                           f"{anchor.name}, which reads a result; the matches cannot become one call")
+    with graph.inserting_before(anchor):
+        call = graph.create_node(op, target, tuple(args), dict(kwargs or {}))
+        results = [call] if len(matches) == 1 else [graph.call_function(operator.getitem, (call, i))
+                                                    for i in range(len(matches))]
+    for match, result in zip(matches, results):
+        match.output.replace_all_uses_with(result)
+    for n in sorted(inside, key=order.__getitem__, reverse=True):
+        graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return call
+
+
+def unique_attribute(gm: nn.Module, name: str, first: int | None = None) -> str:
+    """``name`` (``first`` None) or ``name_{first}``, counting up while ``gm`` has the attribute."""
+    i = first
+    attr = name if i is None else f"{name}_{i}"
+    while hasattr(gm, attr):
+        i = 1 if i is None else i + 1
+        attr = f"{name}_{i}"
+    return attr
+
+
 def replace_match(match: Match, new: Callable, name: str = "fused", *, operands: bool = False) -> str:
     """Vertical fusion: the matched subgraph becomes one call of ``new(*match.inputs)``
     (``new(*match.operands)`` with ``operands``: a copy of the match, which reads them all)."""
     gm: fx.GraphModule = match.owner.mod
     args = match.operands if operands else match.inputs
-    if not _accepts(new, len(args)):
+    if not accepts(new, len(args)):
         raise PatternError(
             f"replace('{match.owner.path}'): the replacement must take the {len(args)} input(s) "
             f"of the match ({', '.join(_name(n) for n in args)})"
         )
-    if any(n.graph is not gm.graph for n in match.nodes) or any(n not in gm.graph.nodes for n in match.nodes):
-        raise PatternError(f"replace('{match.owner.path}'): the match is stale (its graph changed); find it again")
-    escaping = [n for n in match.nodes if n is not match.output and any(u not in match.nodes for u in n.users)]
-    if escaping:
-        raise PatternError(
-            f"replace('{match.owner.path}'): {escaping[0].name} inside the match is used outside it; "
-            "only the pattern's result may leave a fused subgraph"
-        )
-    attr = name
-    i = 0
-    while hasattr(gm, attr):
-        i += 1
-        attr = f"{name}_{i}"
+    check_replaceable([match], f"replace('{match.owner.path}')")
+    attr = unique_attribute(gm, name)
     gm.add_submodule(attr, _Fused(new))
-    with gm.graph.inserting_before(match.output):
-        call = gm.graph.call_module(attr, tuple(args))
-    match.output.replace_all_uses_with(call)
-    for n in reversed(match.nodes):
-        gm.graph.erase_node(n)
-    gm.graph.lint()
-    gm.recompile()
+    substitute([match], "call_module", attr, args)
     return attr
 
 
-def extract_match(match: Match) -> fx.GraphModule:
-    """The matched subgraph as a standalone GraphModule of the match's operands."""
+def extract_match(match: Match, class_name: str = "FusedSubgraph", *, numbered: bool = False) -> fx.GraphModule:
+    """The matched subgraph as a standalone GraphModule of the match's operands (an instance of a
+    class named ``class_name``). It calls the model's own modules; with ``numbered`` they are its
+    attributes ``"0"``, ``"1"``, ... in call order, else they keep their paths."""
     gm: fx.GraphModule = match.owner.mod
     graph = fx.Graph()
     env = {n: graph.placeholder(f"in_{i}") for i, n in enumerate(match.operands)}
+    modules: dict[str, nn.Module] = {}
     for n in match.nodes:
         env[n] = graph.node_copy(n, lambda a: env[a])
+        if numbered and n.op == "call_module":
+            modules[str(len(modules))] = gm.get_submodule(n.target)
+            env[n].target = str(len(modules) - 1)
     graph.output(env[match.output])
-    return fx.GraphModule(gm, graph, "FusedSubgraph")
+    return fx.GraphModule(modules if numbered else gm, graph, class_name)
 
 
-def _reading_parameters_outside(match: Match) -> Match:
+def reading_parameters_outside(match: Match) -> Match:
     """The match without its parameter reads (``get_attr`` nodes), which become operands: a copy of
     the match then reads the model's parameters at every call, including those that ``shard`` or
     ``build`` replaced after the copy was made."""
@@ -364,7 +508,7 @@ def _reading_parameters_outside(match: Match) -> Match:
 
 def fuse_match(match: Match, compiler: str, name: str) -> str:
     """The matched subgraph, compiled with ``compiler``, as one call; returns the submodule's name."""
-    match = _reading_parameters_outside(match)
+    match = reading_parameters_outside(match)
     return replace_match(match, compile_fn(extract_match(match), compiler), name, operands=True)
 
 
@@ -381,7 +525,7 @@ class _CheckpointedSubgraph:
 
 def checkpoint_match(match: Match, policy: str) -> str:
     """Checkpoint only the matched subgraph: its inner activations are recomputed in backward."""
-    match = _reading_parameters_outside(match)
+    match = reading_parameters_outside(match)
     return replace_match(match, _CheckpointedSubgraph(extract_match(match), policy), "checkpointed", operands=True)
 
 

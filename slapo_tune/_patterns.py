@@ -167,11 +167,6 @@ def call_module(name_regex: str, *args: Any) -> Any:
     return proxies[0].tracer.create_proxy("call_function", call_named(name_regex), args, {})
 
 
-def named_calls(graph: fx.Graph) -> list[re.Pattern]:
-    """The module-path expressions a pattern's :func:`call_module` calls match."""
-    return [n.target.regex for n in graph.nodes if n.op == "call_function" and hasattr(n.target, "regex")]
-
-
 @dataclass
 class NormalForm:
     """A graph in normal form and how its nodes relate to the graph it was made from."""
@@ -184,14 +179,12 @@ class NormalForm:
 
 
 def normal_form(graph: fx.Graph, module_at: Callable[[str], nn.Module], *, opaque: Callable[[nn.Module], bool],
-                pattern: bool, named: list[re.Pattern] = ()) -> NormalForm:
+                pattern: bool) -> NormalForm:
     """``graph`` rewritten into the normal form (a new graph; ``graph`` is left as it is).
 
     ``module_at`` resolves a ``call_module`` target; modules for which ``opaque`` holds (hooks,
     syncs, checkpointing change what they compute) are kept as calls nothing in a pattern matches.
     In a ``pattern`` the tensors it holds become wildcards (placeholders listed in ``held``).
-    A call of a module whose path one of ``named`` matches becomes that expression's stand-in
-    (:func:`call_named`), as a pattern's :func:`call_module` is.
     """
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -210,10 +203,7 @@ def normal_form(graph: fx.Graph, module_at: Callable[[str], nn.Module], *, opaqu
         args = fx.map_arg(node.args, env.__getitem__)
         kwargs = fx.map_arg(node.kwargs, env.__getitem__)
         new = None
-        by_name = next((r for r in named if r.match(node.target)), None) if node.op == "call_module" else None
-        if by_name is not None and not opaque(module_at(node.target)):
-            new = out.call_function(call_named(by_name.pattern), args, kwargs)
-        elif node.op == "call_module":
+        if node.op == "call_module":
             module = module_at(node.target)
             found = None if opaque(module) else module_form(module)
             if found is not None and not kwargs and len(args) == 1:

@@ -300,6 +300,15 @@ _HOOK_DICTS = (
 )
 
 
+def copy_hooks(old: nn.Module, new: nn.Module, names: Sequence[str] = _HOOK_DICTS) -> None:
+    """Register ``old``'s hooks (those in the dictionaries ``names``) on ``new`` too."""
+    for name in names:
+        getattr(new, name).update(getattr(old, name))
+    if "_backward_hooks" in names and old._backward_hooks:
+        # nn.Module runs _backward_hooks as full or legacy hooks by this flag, and none while it is None
+        new._is_full_backward_hook = old._is_full_backward_hook
+
+
 def _required_positional(fn: Callable) -> int:
     params = inspect.signature(fn).parameters.values()
     return sum(
@@ -451,8 +460,7 @@ class Schedule:
         return self._swap(new_module, state)
 
     def _swap(self, new_module: nn.Module, state: ModuleState | None) -> Schedule:
-        for name in _HOOK_DICTS:
-            getattr(new_module, name).update(getattr(self.mod, name))
+        copy_hooks(self.mod, new_module)
         if state is not None:
             new_module.__dict__["_slapo"] = state
             if state.changes_forward:

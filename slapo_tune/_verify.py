@@ -153,7 +153,7 @@ def _capture_outputs(model: nn.Module, store: dict[str, torch.Tensor], order: li
         return hook
 
     for path, module in model.named_modules():
-        if path:
+        if path and not isinstance(module, torch.jit.ScriptModule):  # TorchScript takes no Python hooks
             handles.append(module.register_forward_hook(make(path)))
     try:
         yield flag

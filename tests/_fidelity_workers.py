@@ -63,8 +63,10 @@ def _compat_gpt2() -> dict:
     mlp = model.transformer.h[0].mlp
     out = {"report": str(report), "grad_error": report.max_grad_error, "compared": report.compared,
            "modules_compared": report.modules_compared,
-           "uncompared": uncompared(unscheduled, [report.compared]), "fused": type(mlp.BiasGeLU).__name__,
+           "uncompared": uncompared(unscheduled, [report.compared]), "fused": type(mlp.BiasGeLU_0).__name__,
            "c_fc_shape": tuple(mlp.c_fc.weight.shape), "wrapper": model.transformer.h[0].mod is model.transformer.h[0],
+           "checkpointed_class": (type(model.transformer.h[0]).__name__,
+                                  isinstance(model.transformer.h[0], type(unscheduled.transformer.h[0]))),
            "checkpointed_subgraph": [n.target for n in model.transformer.h[1].mlp.graph.nodes if n.op == "call_module"],
            "optimizer_params": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
            "model_params": sum(p.numel() for p in model.parameters())}

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slapo_tune as st
+from slapo_tune._patterns import call_module
 
 from _helpers import bias_then, token_batch
 
@@ -181,3 +182,16 @@ def test_a_module_the_schedule_changed_matches_nothing(fake_group):
     assert [n.target for n in match.nodes] == ["0", "1"]
     with pytest.raises(st.PatternError, match="matches nothing"):
         sch.find(lambda x: nn.Linear(8, 8)(F.relu(x)))
+
+
+def test_a_call_module_regex_names_only_its_own_node():
+    """``call_module("layer1", x)`` stands for a module whose path starts with "layer1"; a ReLU
+    whose path also does ("layer1.1") is still the ``F.relu`` that follows it in the pattern."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4))
+    sch = st.create_schedule(model).trace()
+    (match,) = sch.find(lambda x: F.relu(call_module("0", x)))
+    assert [n.target for n in match.nodes] == ["0.0", "0.1"]
+    x = torch.randn(2, 4)
+    expected = model(x)
+    sch.replace(lambda x: torch.clamp(model[0][0](x), min=0), target=match)
+    torch.testing.assert_close(sch.mod(x), expected, rtol=0, atol=0)

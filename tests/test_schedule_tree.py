@@ -56,6 +56,18 @@ def test_replace_keeps_hooks_and_updates_the_tree():
     assert seen == [out.shape]
 
 
+@pytest.mark.parametrize("register", ["register_full_backward_hook", "register_backward_hook"])
+def test_replace_keeps_backward_hooks_running(register):
+    """A backward hook moved to the new module still runs: nn.Module runs a module's backward hooks
+    only when it knows their kind (full or legacy), which the new module must be told."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    grads = []
+    getattr(model[1], register)(lambda m, grad_in, grad_out: grads.append(grad_out[0].clone()))
+    st.create_schedule(model)["1"].replace(_Twice())
+    model(torch.ones(2, 4)).sum().backward()
+    assert len(grads) == 1 and torch.equal(grads[0], torch.ones(2, 4))  # d(sum)/d(output)
+
+
 def test_replace_refusals_leave_the_model_unchanged():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     sch = st.create_schedule(model)

@@ -35,9 +35,11 @@ def test_slapo_style_gpt2_schedule_verifies_on_two_ranks(ranks):
         assert "verify: OK" in case["report"], f"rank {rank}:\n{case['report']}"
         assert case["grad_error"] < 1e-4 and case["modules_compared"] > 40
         assert case["compared"] and not case["uncompared"]  # every gradient of the unscheduled model
-        assert case["fused"] == "_Fused" and case["c_fc_shape"] == (64, 128)  # [in, out / 2]: sharded
+        assert case["fused"] == "BiasGeLU" and case["c_fc_shape"] == (64, 128)  # [in, out / 2]: sharded
         assert case["wrapper"]  # sch[block].mod.mod, as under Slapo's checkpoint wrapper
-        assert case["checkpointed_subgraph"] == ["BiasGeLU", "checkpointed"]  # c_proj and dropout inside
+        assert case["checkpointed_class"] == ("CheckPointWrapper", True)  # Slapo's name, still a GPT2Block
+        # Slapo's names for what fuse and checkpoint(subgraph) insert (c_proj and dropout inside the latter)
+        assert case["checkpointed_subgraph"] == ["BiasGeLU_0", "CheckPointWrapper_0"]
         assert case["optimizer_params"] == case["model_params"]  # the built (sharded) parameters
 
 
@@ -270,10 +272,14 @@ def test_compat_fuse_compilers_and_verify_context(monkeypatch):
     with slapo.Verify(sch, example_inputs=[torch.randn(4, 16)]) as fused_ok:
         sch.fuse(sch.find(lambda x: F.gelu(x)), compiler=None, name="G")
     assert fused_ok.report.ok and fused_ok.report.params_compared == 4
+    x = torch.randn(4, 16)
+    expected = sch.mod(x)
+    sch.fuse(sch.find(lambda x, y: nn.Linear(1, 1)(x) + y), compiler="TorchScript", name="T")
+    assert isinstance(sch.mod.T_0, torch.jit.ScriptModule) and torch.equal(sch.mod(x), expected)
     compilers = []
     monkeypatch.setattr(_graph, "compile_fn", lambda fn, compiler: compilers.append(compiler) or fn)
-    sch.fuse(sch.find(lambda x, y: nn.Linear(1, 1)(x) + y), compiler="TorchScript", name="T")
-    assert compilers == ["inductor"] and hasattr(sch.mod, "T")  # TorchScript is deprecated: torch.compile
+    sch.fuse(sch.find(lambda x: F.dropout(x)), compiler="inductor", name="T")  # other names: torch.compile backends
+    assert compilers == ["inductor"] and hasattr(sch.mod, "T_1") and torch.equal(sch.mod(x), expected)
     with pytest.raises(st.VerificationError, match="first divergent module: act"):
         net = nn.Sequential()
         net.add_module("lin", nn.Linear(4, 4))

@@ -23,15 +23,14 @@ from torch import fx, nn
 
 from .. import _graph, _schedule, _tracing, op  # noqa: F401  (op: Slapo's slapo.op)
 from .._build import build as _build
-from .._patterns import call_module  # noqa: F401  (re-exported: Slapo's slapo.pattern.call_module)
 from .._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
 from .._verify import VerifyReport
 from .._verify import verify as _verify
 from ..errors import ScheduleError, VerificationError
+from . import _subgraphs
+from ._subgraphs import Subgraph
+from .pattern import Pattern, call_module  # noqa: F401  (re-exported, as Slapo's slapo.Pattern)
 
-# Slapo's compiler names -> torch.compile backends (TorchScript is deprecated in PyTorch; None
-# grouped the subgraph into one module without compiling it)
-COMPILERS: dict[str | None, str] = {"TorchScript": "inductor", None: "eager"}
 # Slapo's resharding schemes over the last two axes (R: replicated, S: sharded) -> (op, axis, join axis)
 RESHARD: dict[str, tuple[str | None, int, int | None]] = {
     "RR->RS": ("scatter", -1, None), "RR->SR": ("scatter", -2, None),
@@ -41,28 +40,6 @@ RESHARD: dict[str, tuple[str | None, int, int | None]] = {
 }
 _HOOKS = {"fwd_pre": "register_forward_pre_hook", "fwd_post": "register_forward_hook",
           "bwd_post": "register_full_backward_hook"}
-
-
-class Subgraph(list):
-    """One match of ``find``: ``[(parent_name, node), ...]`` (Slapo's shape), remembering the match."""
-
-    def __init__(self, match: _graph.Match):
-        super().__init__(("", n) for n in match.nodes)
-        self.match = match
-
-
-def _match_of(subgraphs: Any, primitive: str) -> _graph.Match:
-    """The match a Slapo subgraph argument stands for (``find``'s whole result or one element)."""
-    if isinstance(subgraphs, Subgraph):
-        return subgraphs.match
-    if isinstance(subgraphs, Sequence) and len(subgraphs) == 1 and isinstance(subgraphs[0], Subgraph):
-        return subgraphs[0].match
-    if isinstance(subgraphs, Sequence) and len(subgraphs) > 1 and all(isinstance(s, Subgraph) for s in subgraphs):
-        raise ScheduleError(
-            f"{primitive}(): the pattern matched {len(subgraphs)} subgraphs; slapo-tune acts on one match at a time "
-            f"(pass [subgraphs[i]]); for Slapo's horizontal fusion of sibling layers use "
-            "slapo_tune's replace(slapo_tune.fuse_linears, target=[nodes])")
-    raise ScheduleError(f"{primitive}(): expected a subgraph returned by find(), got {type(subgraphs).__name__}")
 
 
 class Schedule:
@@ -163,18 +140,19 @@ class Schedule:
 
     def replace(self, new_mod_or_func: nn.Module | Callable, target_ops: Any = None, name: str | None = None,
                 concrete_args: dict | None = None) -> None:
-        """Slapo's ``replace``: the whole module, a subgraph from ``find``, or one node from
-        ``find_node`` (``(parent_name, node)``: that call becomes ``new(*node.args)``)."""
-        if concrete_args:
-            raise ScheduleError(f"replace('{self.path}'): concrete_args is not supported; the replacement "
-                                "takes the subgraph's inputs (bind constants with functools.partial)")
+        """Slapo's ``replace``: the whole module, subgraphs from ``find`` (a module becomes the
+        attribute ``{name or its class name}_0``; a function is called directly; several subgraphs
+        become one call, horizontally; see ``compat._subgraphs``), or one node from ``find_node``
+        (``(parent_name, node)``: that call becomes ``new(*node.args)``)."""
         if target_ops is None:
+            if concrete_args:
+                raise ScheduleError(f"replace('{self.path}'): concrete_args is for replacing a subgraph")
             self._node.replace(new_mod_or_func)
         elif isinstance(target_ops, tuple) and len(target_ops) == 2 and isinstance(target_ops[1], fx.Node):
             _graph.replace_call(self._traced(), target_ops[1], new_mod_or_func)
         else:
-            self._node.replace(new_mod_or_func, target=_match_of(target_ops, "replace"),
-                               name=name or getattr(type(new_mod_or_func), "__name__", "replaced"))
+            matches = _subgraphs.matches_of(target_ops, "replace", several=True)
+            _subgraphs.replace_subgraphs(self._node, matches, new_mod_or_func, name, concrete_args)
 
     def replace_all(self, target_mod_type: type[nn.Module], make_mod_fn: Callable, **kwargs) -> None:
         """Slapo's ``replace_all``: every module of the type becomes ``make_mod_fn(path, module, **kwargs)``."""
@@ -182,16 +160,18 @@ class Schedule:
         self._node.replace_all(target_mod_type, lambda mod: make_mod_fn(paths[id(mod)], mod, **kwargs))
 
     def checkpoint(self, subgraph: Any = None, order_args_fn: Callable | None = None) -> None:
-        """Slapo's ``checkpoint``: the module, or a subgraph from ``find``. ``order_args_fn`` is
-        not needed (keyword inputs are checkpointed as they are) and not used. Afterwards
-        ``sch.mod.mod`` is the module, as under Slapo's wrapper, which slapo-tune does not add."""
+        """Slapo's ``checkpoint``: the module (kept in place, its class named ``CheckPointWrapper``
+        and ``sch.mod.mod`` reaching it, as under Slapo's wrapper), or a subgraph from ``find``
+        (the module ``CheckPointWrapper_0``). ``order_args_fn`` is not needed (keyword inputs are
+        checkpointed as they are) and not used."""
         if subgraph is not None:
-            self._node.checkpoint(target=_match_of(subgraph, "checkpoint"))
+            self.trace()
+            (match,) = _subgraphs.matches_of(subgraph, "checkpoint")
+            _subgraphs.checkpoint_subgraph(self._node, match)
             return
         module = self.mod
         self._node.checkpoint()
-        if "mod" not in module.__dict__ and "mod" not in module._modules and not hasattr(type(module), "mod"):
-            module.__dict__["mod"] = module  # not a child: paths and state-dict keys stay the same
+        _subgraphs.name_checkpointed(module)
 
     def trace(self, recursive: bool = True, flatten: bool = False, **kwargs) -> bool:
         """Slapo's ``trace``: one graph per module level, each traced child a GraphModule of its own
@@ -254,16 +234,22 @@ class Schedule:
     def find(self, regex_or_pattern_fn: str | Callable) -> list:
         """A regex: :meth:`find_node`. A pattern function: its subgraphs, ``[[(parent_name, node),
         ...], ...]``, ``[]`` when nothing matches (a pattern that cannot be matched raises
-        :class:`~slapo_tune.PatternError`)."""
+        :class:`~slapo_tune.PatternError`). Matched as Slapo did, by operation and dataflow: each use
+        of a pattern argument is its own wildcard and the pattern's constants match anything
+        (``_graph.find_pattern(by_operation=True)``)."""
         if isinstance(regex_or_pattern_fn, str):
             return self.find_node(regex_or_pattern_fn)
         self.trace()
-        return [Subgraph(m) for m in _graph.find_pattern(self._node, regex_or_pattern_fn, allow_empty=True)]
+        return [Subgraph(m) for m in _graph.find_pattern(self._node, regex_or_pattern_fn, allow_empty=True,
+                                                         by_operation=True)]
 
     def fuse(self, subgraph: Any, compiler: str | None = "TorchScript", name: str = "FusedModule") -> None:
-        """Slapo's ``fuse``: ``"TorchScript"`` compiles with torch.compile (inductor), ``None``
-        keeps the subgraph as one uncompiled call; other torch.compile backends pass through."""
-        self._node.fuse(_match_of(subgraph, "fuse"), COMPILERS.get(compiler, compiler), name=name)
+        """Slapo's ``fuse``: the subgraph becomes the module ``{name}_0``: scripted with
+        ``torch.jit.script`` (``"TorchScript"``), uncompiled (``None``: a module of class ``name``
+        whose attributes ``"0"``, ``"1"``, ... are the modules it calls) or compiled with another
+        torch.compile backend (``"inductor"``, ...)."""
+        (match,) = _subgraphs.matches_of(subgraph, "fuse")
+        _subgraphs.fuse_subgraph(self._node, match, compiler, name)
 
     def decompose(self) -> None:
         self._node.decompose()
@@ -383,14 +369,6 @@ def checkpoint(function: Callable, *args, **kwargs):
     return _schedule.checkpointed_call(function, "full", *args, **kwargs)
 
 
-class Pattern(nn.Module):
-    """Slapo's pattern class: subclass it and write ``forward`` as the subgraph to find (it may use
-    :func:`call_module` for a module named by a regular expression); pass an instance to ``find``."""
-
-    def forward(self, *args):
-        raise NotImplementedError("a Pattern subclass defines forward as the subgraph to find")
-
-
 @contextlib.contextmanager
 def init_empty_weights(enable: bool = True) -> Iterator[None]:
     """Slapo's ``init_empty_weights``: modules created inside live on the meta device (``build``
@@ -399,5 +377,5 @@ def init_empty_weights(enable: bool = True) -> Iterator[None]:
         yield
 
 
-__all__ = ["COMPILERS", "RESHARD", "Pattern", "Schedule", "Subgraph", "Verify", "build", "call_module", "checkpoint",
+__all__ = ["RESHARD", "Pattern", "Schedule", "Subgraph", "Verify", "build", "call_module", "checkpoint",
            "create_schedule", "init_empty_weights", "list_primitives", "op", "register_primitive"]
