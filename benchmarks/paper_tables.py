@@ -190,10 +190,10 @@ def throughput_table(rows: tuple[int, ...], rank: bool) -> dict:
 
 def _plan_rank(problem, model, published: dict) -> dict:
     """``plan``'s best point for the problem and the published layout's predicted throughput against it."""
-    from slapo_tune.cli.plan import _search
+    from slapo_tune.cost_model.ranking import rank_points
 
     t0 = time.perf_counter()
-    found = _search(model, problem, 80 * 2**30, 1)
+    found = rank_points(model, problem, 80 * 2**30, 1)
     seconds = time.perf_counter() - t0
     best = found.rows[0]
     mine = model.time(problem.plan(published)).throughput(problem.workload)

@@ -165,12 +165,12 @@ def _plan_rank(problem, model, budget: int, mine: float, pins: list[dict], disti
     best points that fit ``budget`` in the union of the spaces ``pins`` hold (``[{}]``: the whole
     space; ``distinct``: the knobs whose values the list shows once, plan's by default), and the first
     choice's predicted speed-up over it."""
-    from slapo_tune.cli.plan import DISTINCT_LAYOUT, _search
+    from slapo_tune.cost_model.ranking import DISTINCT_LAYOUT, rank_points
 
     t0 = time.perf_counter()
     rows, points = [], 0
     for pinned in pins:
-        found = _search(model, problem.pinned(pinned), budget, TOP, DISTINCT_LAYOUT if distinct is None else distinct)
+        found = rank_points(model, problem.pinned(pinned), budget, TOP, DISTINCT_LAYOUT if distinct is None else distinct)
         # the points predicted to fit: plan lists them first (the others only might, within the
         # prediction's uncertainty, and come after them)
         rows += [r for r in found.rows if r["fits"] and r["peak"] <= budget]

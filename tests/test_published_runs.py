@@ -101,7 +101,7 @@ def test_a_run_of_an_undescribed_framework_is_refused(runs, tmp_path):
 def test_the_rank_counts_only_points_predicted_to_fit(monkeypatch):
     """A point that might fit only within the prediction's uncertainty (peak over the budget) does
     not outrank the published configuration, and the first choice is predicted to fit."""
-    import slapo_tune.cli.plan as plan
+    import slapo_tune.cost_model.ranking as ranking
 
     rows = [{"point": {"tp": 2}, "fits": True, "peak": 90, "throughput": 30.0},  # over budget 80
             {"point": {"tp": 4}, "fits": True, "peak": 70, "throughput": 12.0},
@@ -117,7 +117,7 @@ def test_the_rank_counts_only_points_predicted_to_fit(monkeypatch):
         def pinned(self, pins):
             return self
 
-    monkeypatch.setattr(plan, "_search", lambda *a, **k: found)
+    monkeypatch.setattr(ranking, "rank_points", lambda *a, **k: found)
     got = published_runs._plan_rank(Problem(), None, 80, 10.0, [{}])
     assert got["rank"] == 2 and got["plan_best"] == {"tp": 4} and got["best_over_published"] == pytest.approx(1.2)
     # slower than every point listed, still within the first 10: its place, not "not listed"

@@ -230,9 +230,9 @@ def nothing_fits_line(problem: Problem, hardware: Hardware, budget: int) -> str 
     fits ``budget`` bytes per rank (the tuner would prune every one): the smallest predicted peak,
     as ``plan`` finds it, and a budget that holds it; None when a point fits."""
     from ..cost_model import CostModel
+    from ..cost_model.ranking import least_peak_if_none_fits
     from ..space import format_point
     from ..units import format_size, size_at_least
-    from .plan import least_peak_if_none_fits
 
     least = least_peak_if_none_fits(CostModel(problem, hardware), problem, budget)
     if least is None:
