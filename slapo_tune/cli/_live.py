@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plan import TrialStatus, readable
-from ..search._report import warning_kind
+from ..search._report import gain_text, warning_kind
 from ..units import format_size
 
 STYLES = {"ok": "green", "oom": "yellow", "crash": "red", "timeout": "red", "invalid": "red",
@@ -101,6 +101,8 @@ class TuneView:
             self.in_flight[event["trial"]] = (event["knobs"], time.monotonic())
         elif kind in ("confirm", "confirmed"):
             self._print(confirm_line(event))
+        elif kind in ("confirming", "confirm_launched"):
+            pass
         elif kind == TrialStatus.PRUNED:
             pass  # never launched: counted, not listed (see the module's docstring)
         else:
@@ -208,17 +210,3 @@ def print_summary(summary: dict[str, Any], budget: int, knobs: list[str] | None 
                   + (f"; {summary['duplicates']} repeat(s) answered from the study" if summary["duplicates"] else ""))
     table.add_row("stopped", f"{STOPS.get(summary['stop'], summary['stop'])}, after {clock(summary['elapsed'])}")
     console.print(table)
-
-
-def gain_text(baseline: dict[str, Any] | None, knobs: list[str] | None) -> str:
-    """The crowned point against the out-of-the-box schedule (see ``_outputs.out_of_the_box``)."""
-    if baseline is None:
-        return "no out-of-the-box point in this space"
-    point = readable(baseline["point"], knobs)
-    if baseline["how"] == "measured":
-        return f"{baseline['gain']:.2f}x ({point} measured {baseline['samples_per_s']:.2f} samples/s)"
-    if not baseline["fits"]:
-        return f"{point} does not fit the budget (predicted)"
-    if baseline["gain"] is None:
-        return f"{point} not measured"
-    return f"~{baseline['gain']:.2f}x by the cost model's predictions ({point} not measured)"
