@@ -155,9 +155,10 @@ def gain_text(baseline: dict[str, Any] | None, knobs: list[str] | None = None) -
     how = baseline["how"]
     if how == "same":
         return f"1.00x: the crowned point is the baseline itself (trial {baseline['trial']}: {point})"
-    spread = (baseline.get("spreads") or [None, None])[1]
-    measured = (f"out of the box: trial {baseline['trial']}, {baseline['samples_per_s']:.2f} samples/s"
-                + ("" if spread is None else f", step spread {spread:.1%}") + f" ({point})")
+    if how in ("side by side", "trials"):
+        spread = (baseline.get("spreads") or [None, None])[1]
+        measured = (f"out of the box: trial {baseline['trial']}, {baseline['samples_per_s']:.2f} samples/s"
+                    + ("" if spread is None else f", step spread {spread:.1%}") + f" ({point})")
     if how == "side by side":
         return (f"{baseline['gain']:.2f}x measured side by side (per round {baseline['low']:.2f}-"
                 f"{baseline['high']:.2f}x, {baseline['rounds']} round(s)); {measured}")
