@@ -131,8 +131,11 @@ def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
     assert summary["best"] == pytest.approx((TRIAL if confirm == 0 else TRUE)[crowned])
     assert (summary["confirmed"] is None) == (confirm == 0)
     lines = stream.getvalue().splitlines()
-    assert sum(line.startswith("[confirm] confirming trial") for line in lines) == runs
-    assert sum(line.startswith("[confirm] crowned trial") for line in lines) == (confirm > 0)
+    assert sum(re.match(r"\[confirm \d+/\d+\] #\d+ round \d/3: ", line) is not None for line in lines) == runs
+    assert sum(line.startswith("[confirm] crowned #") for line in lines) == (confirm > 0)
+    # why each is confirmed, once, as the phase begins
+    assert sum(line.startswith("[confirm] measured again side by side") for line in lines) == (confirm > 0)
+    assert sum("the fastest trial" in line for line in lines) == (confirm > 0)
     line = best_line(summary, Path("best_schedule.json"))
     assert f"at {summary['best']:.2f} samples/s" in line
     assert ("confirmed (median of 9 steps, spread 14.4%; its trial measured" in line) == (confirm > 0)
@@ -298,5 +301,6 @@ def test_a_baseline_that_cannot_fit_is_made_to_fit(grid):
     points = list(tuner.space.enumerate())
     fitting = [p for p, fits in zip(points, tuner.cost.predictions(points, budget).fits) if fits]
     assert changed(made) == min(changed(p) for p in fitting)
+    assert "#0   ok      (out of the box, made to fit)" in stream.getvalue()
     summary = tuner.summary("trials")
     assert "(out of the box made to fit: " in gain_text(summary["out_of_the_box"])
