@@ -146,11 +146,22 @@ def test_a_lucky_trial_confirmed_below_other_trials_is_confirmed_again_beside_th
     trials 2 and 4 measured 17 and 16, above its confirmed 14 by more than the noise: they are
     measured again beside it, side by side, and the fastest of those (trial 2, 16.5) is crowned. A
     resumed study does not confirm again."""
+    import io
+
+    from slapo_tune.cli._live import TuneView
+
     storage = f"journal:{tmp_path / 'study.journal'}"
     speeds = dict(trial_speeds=[10.0, 20.0, 17.0, 12.0, 16.0], true_speeds=[10.0, 14.0, 16.5, 12.0, 15.5])
-    tuner, runner, order = _tuner(grid, trials=5, storage=storage, study="s", **speeds)
+    stream = io.StringIO()
+    tuner, runner, order = _tuner(grid, trials=5, storage=storage, study="s", **speeds,
+                                  report=TuneView("plain", grid[1], stream=stream))
     summary = tuner.run()
     assert runner.confirm_order == [(1, r) for r in (1, 2, 3)] + [(i, r) for r in (1, 2, 3) for i in (1, 2, 4)]
+    # the view says why it measures again, once per confirmation
+    lines = stream.getvalue().splitlines()
+    assert sum(line.startswith("[confirm] measured again side by side") for line in lines) == 1
+    assert sum(line.startswith("[confirm] the crowned trial confirmed below other trials' figures") for line in lines) == 1
+    assert "#1 (20.00 samples/s as a trial): crowned, but confirmed at 14.00 samples/s" in stream.getvalue()
     assert point_key(summary["best_point"]) == order[2] and summary["best"] == pytest.approx(16.5)
     assert summary["confirmed"]["trial_samples_per_s"] == pytest.approx(17.0)
     again, runner, _ = _tuner(grid, trials=5, storage=storage, study="s", **speeds)

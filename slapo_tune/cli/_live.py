@@ -201,8 +201,10 @@ class TuneView:
         self.confirming = {"runs": event["runs"], "done": 0, "started": time.monotonic(),
                            "estimate": event.get("estimate_s") or 0.0, "running": None}
         estimate = f", about {clock(event['runs'] * event['estimate_s'])}" if event.get("estimate_s") else ""
-        lines = fit([f"[confirm] measured again side by side, {event['rounds']} alternating round(s) "
-                     f"({event['runs']} runs{estimate}); the fastest candidate is crowned:"], self.width)
+        what = ("[confirm] the crowned trial confirmed below other trials' figures: measured again beside them"
+                if event.get("widened") else "[confirm] measured again side by side")
+        lines = fit([f"{what}, {event['rounds']} alternating round(s) ({event['runs']} runs{estimate}); "
+                     f"the fastest candidate is crowned:"], self.width)
         for t in event["trials"]:
             lines += fit([" " * INDENT + f"#{t['trial']} ({t['samples_per_s']:.2f} samples/s as a trial): {t['why']}"],
                          self.width, indent=INDENT + 2)

@@ -640,7 +640,8 @@ class Tuner:
             why = {lucky.number: f"crowned, but confirmed at {confirmed_at:.2f} samples/s, below these trials' figures",
                    **{t.number: "its trial measured faster than that by more than the noise" for t in others}}
             first, chosen = chosen, sorted([lucky, *others], key=lambda t: (-t.values[0], t.number))
-            record = {**self._side_by_side(chosen, limit, rounds, baseline, why), "first": [t.number for t in first]}
+            record = {**self._side_by_side(chosen, limit, rounds, baseline, why, widened=True),
+                      "first": [t.number for t in first]}
         self.study.set_user_attr(RECORD, record)
         if record["crowned"] is not None:
             figures = record["figures"][str(record["crowned"])]
@@ -650,11 +651,13 @@ class Tuner:
                         steps=len(figures["step_times"]), baseline=record["baseline"],
                         gain=side_by_side_gain(record, crowned.number))
 
-    def _side_by_side(self, chosen: list, limit: int, rounds: int, baseline, why: dict[int, str]) -> dict[str, Any]:
+    def _side_by_side(self, chosen: list, limit: int, rounds: int, baseline, why: dict[int, str],
+                      widened: bool = False) -> dict[str, Any]:
         """Run the trials ``chosen`` (and the ``baseline`` trial after them) again, in alternating
         rounds (A B C A B C ...: the machine's load falls on all alike), and give the record of
         that confirmation (._confirm.confirmation). ``why``: why each of ``chosen`` is confirmed,
-        said once as the phase begins (the ``confirming`` event)."""
+        said once as the phase begins (the ``confirming`` event; ``widened``: a second
+        confirmation, see ._confirm.contenders)."""
         import statistics
 
         from ._confirm import confirmation, measured_side_by_side
@@ -667,7 +670,7 @@ class Tuner:
             [w for w in walls if w] or [0.0]), trials=[
             {"trial": t.number, "samples_per_s": t.values[0],
              "why": why.get(t.number) or "the baseline: the measured gain is over it"} for t in measured],
-            baseline=None if baseline is None else baseline.number)
+            baseline=None if baseline is None else baseline.number, widened=widened)
         runs: dict[int, list] = {t.number: [] for t in measured}
         done = 0
         for round_ in range(1, rounds + 1):
