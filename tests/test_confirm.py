@@ -315,3 +315,40 @@ def test_a_baseline_that_cannot_fit_is_made_to_fit(grid):
     assert "#0   ok      (out of the box, made to fit)" in stream.getvalue()
     summary = tuner.summary("trials")
     assert "(out of the box made to fit: " in gain_text(summary["out_of_the_box"])
+
+
+def test_a_resumed_study_runs_and_confirms_its_baseline_once(grid, tmp_path):
+    """Resumed when finished, the study neither runs its baseline again nor leaves it queued, and
+    its confirmation (the baseline's included) stands; resumed for more trials, the new ones are
+    searched (the baseline is not queued again) and the changed candidates confirmed beside it."""
+    from optuna.trial import TrialState
+
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    first, runner, order = _tuner(grid, trials=6, baseline_speeds=(9.0, 9.5), storage=storage, study="s")
+    first.run()
+    assert len(runner.launched) == 6 and len(runner.confirm_order) == 12
+    again, runner, _ = _tuner(grid, trials=6, baseline_speeds=(9.0, 9.5), storage=storage, study="s")
+    summary = again.run()
+    assert runner.launched == [] and runner.confirm_order == []
+    assert not again.study.get_trials(states=(TrialState.WAITING,))
+    assert summary["out_of_the_box"]["how"] == "side by side" and summary["out_of_the_box"]["gain"] == pytest.approx(2.0)
+    speeds = dict(trial_speeds=[*TRIAL, 11.0, 30.0], true_speeds=[*TRUE, 11.0, 29.0])
+    more, runner, order = _tuner(grid, trials=8, baseline_speeds=(9.0, 9.5), storage=storage, study="s", **speeds)
+    summary = more.run()
+    assert [point_key(p) for p in runner.launched] == order[5:7]
+    assert runner.confirm_order == [(i, r) for r in (1, 2, 3) for i in (6, BASELINE)]
+    assert summary["out_of_the_box"]["gain"] == pytest.approx(29.0 / 9.5)
+
+
+def test_a_finished_study_begun_without_a_baseline_queues_none_when_resumed(grid, tmp_path):
+    """A study begun without a baseline trial (by an earlier slapo-tune) resumed when its trials
+    are spent: nothing runs, nothing is left queued for a later run, the gain stays predicted."""
+    from optuna.trial import TrialState
+
+    storage = f"journal:{tmp_path / 'study.journal'}"
+    _tuner(grid, trials=5, storage=storage, study="s")[0].run()
+    again, runner, _ = _tuner(grid, trials=5, baseline_speeds=(9.0, 9.5), storage=storage, study="s")
+    summary = again.run()
+    assert runner.launched == [] and runner.confirm_order == []
+    assert not again.study.get_trials(states=(TrialState.WAITING,))
+    assert summary["out_of_the_box"]["how"] == "predicted"

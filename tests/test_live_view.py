@@ -48,7 +48,7 @@ def _events():
     yield {**counts, "event": "confirming", "rounds": 3, "runs": 9, "estimate_s": 20.0, "baseline": 0, "trials": [
         {"trial": 6, "samples_per_s": 97.2, "why": "the fastest trial"},
         {"trial": 3, "samples_per_s": 95.1, "why": "within 3% of the fastest, a trial's noise"},
-        {"trial": 0, "samples_per_s": 41.0, "why": "the baseline: the measured gain is over it"}]}
+        {"trial": 0, "samples_per_s": 41.0, "why": "the baseline, for the measured gain"}]}
     where = {"rounds": 3, "runs": 9, "round": 1}
     yield {**counts, **where, "event": "confirm_launched", "trial": 6, "run": 1}
     yield {**counts, **where, "event": "confirm", "trial": 6, "run": 1, "status": "ok", "samples_per_s": 90.1,
@@ -117,7 +117,7 @@ def test_why_each_trial_is_confirmed_is_said_once():
     assert sum(line.startswith("[confirm] measured again side by side") for line in lines) == 1
     assert "#6 (97.20 samples/s as a trial): the fastest trial" in text
     assert "#3 (95.10 samples/s as a trial): within 3% of the fastest, a trial's noise" in text
-    assert "#0 (41.00 samples/s as a trial): the baseline: the measured gain is over it" in text
+    assert "#0 (41.00 samples/s as a trial): the baseline, for the measured gain" in text
     assert text.count("the fastest trial") == 1  # not again on each round's line
     assert "[confirm 1/9] #6 round 1/3: 90.10 samples/s (as a trial 97.20)" in text
 

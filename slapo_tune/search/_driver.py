@@ -310,9 +310,10 @@ class Tuner:
 
     def _queue_baseline(self) -> None:
         """Queue the baseline as the next trial (the study's first) unless the study has a trial
-        of it already, queued, running or told (a resumed study), or it cannot fit."""
+        of it already, queued, running or told (a resumed study), it cannot fit, or no trial is
+        left to run it (a finished study resumed: nothing is left queued)."""
         record = self.study.user_attrs.get(BASELINE)
-        if not self.config.baseline or not record or not record["fits"]:
+        if not self.config.baseline or not record or not record["fits"] or self.progress.launched >= self.config.trials:
             return
         key = point_key(record["point"])
         for t in self.study.get_trials(deepcopy=False):
@@ -669,7 +670,7 @@ class Tuner:
         self._event("confirming", {}, rounds=rounds, runs=total, estimate_s=statistics.median(
             [w for w in walls if w] or [0.0]), trials=[
             {"trial": t.number, "samples_per_s": t.values[0],
-             "why": why.get(t.number) or "the baseline: the measured gain is over it"} for t in measured],
+             "why": why.get(t.number) or "the baseline, for the measured gain"} for t in measured],
             baseline=None if baseline is None else baseline.number, widened=widened)
         runs: dict[int, list] = {t.number: [] for t in measured}
         done = 0
