@@ -7,9 +7,9 @@ a confirmation's round) and how long it has run; above it one block per finished
 throughput, peak memory against the budget, predicted against measured step time, the best so
 far; its knobs on the next lines) and per confirmation run, why each trial is confirmed (once, as
 the phase begins), and each warning once. Every outcome other than ok comes with its reason (the
-error, and what the word means: :data:`MEANINGS`). Pruned points, never launched, are counted, not
-listed (a budget that nothing fits would list the whole space; the first one is shown with its
-reason): trials.csv and ``json`` list them. Every line fits :data:`WIDTH` columns (or the
+error, and what the word means: :data:`MEANINGS`; the bar's counts with :data:`COUNTED`). Pruned
+points, never launched, are counted, not listed (a budget that nothing fits would list the whole
+space): trials.csv and ``json`` list them. Every line fits :data:`WIDTH` columns (or the
 terminal, if narrower): knobs and long errors wrap onto indented lines. Elsewhere (a log file, a
 pipe) the same lines, plain. ``json``: one object per event on stdout; ``quiet``: nothing until
 the summary (:func:`print_summary`).
@@ -53,6 +53,9 @@ MEANINGS = {
     "repeat": "a point the study already knew: answered from it, not run again",
 }
 RETRIED = "; its point is run again once"  # a trial the cluster failed (see search._driver)
+# the bar's counts, each with why (short: the bar's line)
+COUNTED = {"pruned": "predicted not to fit, never run", "failed": "crashed or timed out",
+           "repeats": "known points, not run again"}
 
 
 def clock(seconds: float) -> str:
@@ -128,7 +131,7 @@ class TuneView:
         self.baseline: dict[str, Any] | None = None  # the baseline's point (its trial is named so)
         self.made_to_fit = False
         self.confirming: dict[str, Any] | None = None  # the confirmation phase: its runs, their pace
-        self.warned: set[str] = set()  # warning kinds, and outcome words, already explained
+        self.warned: set[str] = set()  # warning kinds already shown
         self._live: Live | None = None
         self._last_at = time.monotonic()
 
@@ -151,7 +154,6 @@ class TuneView:
         if self.mode == "json":
             print(json.dumps(event, default=str), flush=True)
             return
-        repeats_before = (self.last or {}).get("duplicates", 0)
         self.last, self._last_at = event, time.monotonic()
         kind = event["event"]
         if kind == "start":
@@ -171,9 +173,7 @@ class TuneView:
                 self.confirming.update(done=event["run"], running=None)
             self._print(confirm_line(event, self.width), STYLES.get(event.get("status")) if kind == "confirm" else None)
         elif kind == TrialStatus.PRUNED:
-            # never launched: counted, not listed (see the module's docstring); the first one says why
-            self._explain("pruned", f"#{event['trial']} pruned: {event.get('reason', '')}; {MEANINGS['pruned']} (the "
-                                    f"others are counted in the bar, each listed in trials.csv)")
+            pass  # never launched: counted, not listed (see the module's docstring), the bar says why
         else:
             self.in_flight.pop(event.get("trial"), None)
             result = event.get("result") or {}
@@ -186,14 +186,6 @@ class TuneView:
                     self.warned.add(kind)
                     self._print(f"warning (trial {event['trial']}; not repeated for later trials): {warning}",
                                 "yellow")
-        if event.get("duplicates", 0) > repeats_before:
-            self._explain("repeat", f"repeat: {MEANINGS['repeat']} (counted in the bar)")
-
-    def _explain(self, word: str, line: str) -> None:
-        """``line``, the first time ``word`` occurs."""
-        if word not in self.warned:
-            self.warned.add(word)
-            self._print(line, "dim")
 
     def _confirming(self, event: dict[str, Any]) -> None:
         """The confirmation phase begins: why each trial is measured again, said once."""
@@ -250,12 +242,15 @@ class TuneView:
                                    "target": 0, "resumed": 0})
         now = time.monotonic()
         event["elapsed"] += now - self._last_at  # the clock runs between events too
-        counts = f"pruned {event['pruned']}, failed {event['failed']}, repeats {event['duplicates']}"
+        # each count with why, once there is one
+        counts = ", ".join(f"{word} {n}" + (f" ({why})" if n else "") for word, n, why in (
+            ("pruned", event["pruned"], COUNTED["pruned"]), ("failed", event["failed"], COUNTED["failed"]),
+            ("repeats", event["duplicates"], COUNTED["repeats"])))
         rows: list[Any] = []
         if self.confirming is None:
             left, done, total = eta(event), event["launched"], event["target"]
             label = f"trials {done}/{total}"
-            rows.append(Text(counts, style="dim"))
+            rows += [Text(line, style="dim") for line in fit([counts], self.width)]
             for trial, (knobs, since) in sorted(self.in_flight.items()):
                 rows += [Text(line) for line in fit([f"  #{trial} running for {clock(now - since)}:", readable(
                     knobs, self.knobs)], self.width, indent=INDENT)]
@@ -265,7 +260,8 @@ class TuneView:
             pace = (now - c["started"]) / done if done else c["estimate"]
             left = (total - done) * pace if pace else None
             label = f"confirming {done}/{total} runs"
-            rows.append(Text(f"after {event['launched']}/{event['target']} trials: {counts}", style="dim"))
+            rows += [Text(line, style="dim") for line in fit([f"after {event['launched']}/{event['target']} trials: "
+                                                              f"{counts}"], self.width)]
             if c["running"] is not None:
                 run, since = c["running"]
                 rows.append(Text(f"  #{run['trial']} round {run['round']}/{run['rounds']} running for "
