@@ -32,6 +32,7 @@ from rich.text import Text
 from ..plan import TrialStatus, readable
 from ..search._report import gain_text, warning_kind
 from ..units import format_size
+from ._common import wrapped
 
 STYLES = {"ok": "green", "oom": "yellow", "crash": "red", "timeout": "red", "invalid": "red",
           "lost": "magenta", "placement_timeout": "magenta"}
@@ -78,15 +79,13 @@ def fit(parts: list[str], width: int = WIDTH, indent: int = INDENT) -> list[str]
             continue
         flows = len(part) > width - indent  # would not fit a line of its own either
         text, head = (f"{lines.pop()}  {part}", "") if flows and lines else (part, " " * indent if lines else "")
-        lines += textwrap.wrap(text, width, initial_indent=head, subsequent_indent=" " * indent,
-                               break_on_hyphens=False, break_long_words=True)
+        lines += wrapped(text, head, " " * indent, width=width)
     return lines
 
 
 def knob_lines(knobs: str, width: int = WIDTH, indent: int = INDENT) -> list[str]:
     """A point's knobs on lines of their own, indented, at most ``width`` columns."""
-    return textwrap.wrap(knobs, width, initial_indent=" " * indent, subsequent_indent=" " * indent,
-                         break_on_hyphens=False)
+    return wrapped(knobs, " " * indent, " " * indent, width=width)
 
 
 def outcome(status: str, error: str | None = None, retried: bool = False) -> str:
