@@ -352,3 +352,20 @@ def test_a_finished_study_begun_without_a_baseline_queues_none_when_resumed(grid
     assert runner.launched == [] and runner.confirm_order == []
     assert not again.study.get_trials(states=(TrialState.WAITING,))
     assert summary["out_of_the_box"]["how"] == "predicted"
+
+
+def test_the_gain_is_paired_round_by_round_and_within_its_range():
+    """Measured in rounds (as seen on a busy machine): the crowned point's pooled median comes from
+    one round, the baseline's from another, so their ratio (215.9 / 131.4 = 1.64) lies outside
+    every round's own (1.78, 1.93, 1.80); the gain is the median of the rounds' ratios."""
+    from slapo_tune.search._confirm import side_by_side_gain
+
+    record = {"baseline": 0, "figures": {
+        "3": {"samples_per_s": 215.9, "rounds": [214.6, 253.1, 215.9]},
+        "0": {"samples_per_s": 131.4, "rounds": [120.4, 131.4, 119.8]}}}
+    gain = side_by_side_gain(record, 3)
+    assert gain["low"] <= gain["gain"] <= gain["high"] and gain["rounds"] == 3
+    assert gain["gain"] == pytest.approx(215.9 / 119.8) and gain["low"] == pytest.approx(214.6 / 120.4)
+    assert gain["high"] == pytest.approx(253.1 / 131.4)
+    record["figures"]["0"]["rounds"] = [None, None, None]  # no round measured both: the pooled figures
+    assert side_by_side_gain(record, 3)["gain"] == pytest.approx(215.9 / 131.4)

@@ -16,8 +16,8 @@ all) are measured again side by side, and the crown goes to the fastest of that 
 
 The baseline (the trial of the out-of-the-box schedule, or of the default made to fit, which the
 tuner runs first: see ``_driver``) is measured in the same rounds, after the candidates, so that
-the gain over it is a ratio of figures taken side by side (:func:`side_by_side_gain`: the ratio of
-the pooled medians, and its range over the rounds); it is never crowned unless it is a candidate.
+the gain over it is a ratio of figures taken side by side (:func:`side_by_side_gain`: the median
+of the rounds' ratios, and their range); it is never crowned unless it is a candidate.
 
 The confirmation is recorded in the study (user attribute ``confirmation``): which trials it
 confirmed (and which was the baseline), and each one's figures, round by round too. It stands while the same trials are the candidates: the
@@ -98,10 +98,15 @@ def baseline_trial(study: Study) -> FrozenTrial | None:
 
 
 def side_by_side_gain(record: dict[str, Any], number: int) -> dict[str, Any] | None:
-    """Trial ``number``'s confirmed figure over the baseline's in the same confirmation
-    ``record``: ``gain`` (the ratio of their pooled medians), ``low`` and ``high`` (the range of the
-    ratio round by round: each round measured both within minutes), ``rounds`` (those where both
-    measured); None when the record has no baseline or either measured nothing."""
+    """Trial ``number`` over the baseline in the same confirmation ``record``, round by round
+    (each round measures both within minutes: a paired comparison, the machine's load alike):
+    ``gain`` the median of the rounds' ratios (of each round's own figures), ``low`` and ``high``
+    their range, ``rounds`` those where both measured; where no round measured both, the ratio of
+    the pooled figures. (The pooled figures' ratio can fall outside the rounds' range: their
+    medians may come from different rounds.) None when the record has no baseline or either
+    measured nothing."""
+    import statistics
+
     baseline = record.get("baseline")
     if baseline is None:
         return None
@@ -109,7 +114,7 @@ def side_by_side_gain(record: dict[str, Any], number: int) -> dict[str, Any] | N
     if not ours or not theirs or not ours["samples_per_s"] or not theirs["samples_per_s"]:
         return None
     ratios = [a / b for a, b in zip(ours.get("rounds") or [], theirs.get("rounds") or []) if a and b]
-    gain = ours["samples_per_s"] / theirs["samples_per_s"]
+    gain = statistics.median(ratios) if ratios else ours["samples_per_s"] / theirs["samples_per_s"]
     return {"gain": gain, "low": min(ratios, default=gain), "high": max(ratios, default=gain), "rounds": len(ratios)}
 
 
