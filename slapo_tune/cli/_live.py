@@ -241,15 +241,15 @@ class TuneView:
                                    "target": 0, "resumed": 0})
         now = time.monotonic()
         event["elapsed"] += now - self._last_at  # the clock runs between events too
-        # each count with why, once there is one
-        counts = ", ".join(f"{word} {n}" + (f" ({why})" if n else "") for word, n, why in (
+        # each count with why, once there is one (a count and its why never split across lines)
+        counts = [f"{word} {n}" + (f" ({why})" if n else "") for word, n, why in (
             ("pruned", event["pruned"], COUNTED["pruned"]), ("failed", event["failed"], COUNTED["failed"]),
-            ("repeats", event["duplicates"], COUNTED["repeats"])))
+            ("repeats", event["duplicates"], COUNTED["repeats"]))]
         rows: list[Any] = []
         if self.confirming is None:
             left, done, total = eta(event), event["launched"], event["target"]
             label = f"trials {done}/{total}"
-            rows += [Text(line, style="dim") for line in fit([counts], self.width)]
+            rows += [Text(line, style="dim") for line in wrapped(counts, "", " " * INDENT, width=self.width)]
             for trial, (knobs, since) in sorted(self.in_flight.items()):
                 rows += [Text(line) for line in fit([f"  #{trial} running for {clock(now - since)}:", readable(
                     knobs, self.knobs)], self.width, indent=INDENT)]
@@ -259,8 +259,8 @@ class TuneView:
             pace = (now - c["started"]) / done if done else c["estimate"]
             left = (total - done) * pace if pace else None
             label = f"confirming {done}/{total} runs"
-            rows += [Text(line, style="dim") for line in fit([f"after {event['launched']}/{event['target']} trials: "
-                                                              f"{counts}"], self.width)]
+            counts[0] = f"after {event['launched']}/{event['target']} trials: {counts[0]}"
+            rows += [Text(line, style="dim") for line in wrapped(counts, "", " " * INDENT, width=self.width)]
             if c["running"] is not None:
                 run, since = c["running"]
                 rows.append(Text(f"  #{run['trial']} round {run['round']}/{run['rounds']} running for "
