@@ -108,13 +108,14 @@ def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: in
     """(Tuner, ReplayRunner) searching a recorded grid, its study in memory (unless ``config``
     names a storage), nothing written; ``report`` and ``sampler`` go to the Tuner as they are,
     ``perturb`` multiplies its predicted throughputs by :func:`perturbation` of ``seed``,
-    ``config`` sets further TuneConfig fields (patience, ...)."""
+    ``config`` sets further TuneConfig fields (patience, ...). No baseline trial unless ``config``
+    asks for one (``baseline=True``): a replay measures the strategy's own trials."""
     from runners.replay import ReplayRunner
     from slapo_tune.search import TuneConfig, Tuner
 
     runner = runner or ReplayRunner(results)
     settings = dict(problem=grid_problem(grid, budget), out=Path("replay"), trials=trials, strategy=strategy,
-                    storage="memory", seed=seed, prune=prune, concurrency=concurrency)
+                    storage="memory", seed=seed, prune=prune, concurrency=concurrency, baseline=False)
     tuner_class = Tuner
     if perturb:
         wrong = perturbation(seed)

@@ -13,6 +13,16 @@ Version 2 names the training precision (``precision``: ``fp32``, ``amp-bf16``, `
 :mod:`slapo_tune.precision`) and allows ``zero`` 1 and 2. Version-1 files still load: their
 ``dtype`` (``fp32``, or ``bf16`` meaning autocast over fp32 parameters) becomes the precision that
 ran then (``fp32`` or ``amp-bf16``).
+
+``measured`` (optional) holds what the tuner measured of the point: ``samples_per_s`` (confirmed
+where ``confirmed``), ``step_times``, ``spread``, ``peak_memory``, ``trial``; and beside them the
+baseline's (the out-of-the-box schedule, or the default made to fit): ``baseline_samples_per_s``,
+``baseline_trial``, ``baseline_knobs``, ``baseline_spread``, ``baseline_made_from`` (where made to
+fit: the out-of-the-box point), ``gain`` (ours over it), ``gain_how`` (``side by side``:
+both measured in the same confirmation rounds, ``gain_low``-``gain_high`` the ratio's range over
+``gain_rounds`` rounds; ``trials``: the two trials apart; ``same``: the point is the baseline).
+These keys only add to version 2 (older files lack them, older readers ignore them): no new
+version. The figures a reader prints are checked to be numbers.
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ DEVICES = ("cpu", "cuda")  # where a schedule was tuned (the ranks' kind of devi
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # generous bounds: a tampered size must fail here, not make the space enumeration run for ever
+# measured figures read back as numbers (``show`` prints them): each, where present, a number or null
+_MEASURED_NUMBERS = ("samples_per_s", "baseline_samples_per_s", "gain", "gain_low", "gain_high")
 _LIMITS = {"world_size": MAX_WORLD_SIZE, "global_batch": MAX_BATCH, "micro_batch": MAX_BATCH, "accumulation": MAX_BATCH,
            "seq_len": MAX_SEQ_LEN}
 
@@ -137,6 +149,10 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
     for key, value in data["knobs"].items():
         if not isinstance(value, (int, float, str)) or isinstance(value, bool):
             raise UsageError(f"{where}: knob {key} has a non-scalar value {value!r}")
+    for name in _MEASURED_NUMBERS:
+        value = data.get("measured", {}).get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UsageError(f"{where}: measured.{name} should be a number, got {type(value).__name__}")
     from .precision import PRECISIONS
 
     if data["precision"] not in PRECISIONS:

@@ -36,6 +36,9 @@ def test_round_trip(tmp_path):
     (lambda d: d.update(world_size="2"), "field 'world_size' should be int"),
     (lambda d: d["knobs"].update(tp=[2]), "knob tp has a non-scalar value"),
     (lambda d: d.update(micro_batch=0), "micro_batch must be positive"),
+    # figures show prints: a tampered one is one line, not a traceback there
+    (lambda d: d["measured"].update(baseline_samples_per_s="fast"), "measured.baseline_samples_per_s should be a number"),
+    (lambda d: d["measured"].update(gain=[1.3]), "measured.gain should be a number"),
 ])
 def test_invalid_files_are_refused(tmp_path, mutate, message):
     data = _schedule()
@@ -44,6 +47,19 @@ def test_invalid_files_are_refused(tmp_path, mutate, message):
     path.write_text(json.dumps(data))
     with pytest.raises(UsageError, match=message):
         read_schedule(path)
+
+
+def test_the_baseline_figures_add_to_version_2(tmp_path):
+    """A schedule with the baseline's measured figures is still version 2 and loads; one without
+    them (written before) loads as it did."""
+    data = _schedule()
+    data["measured"].update(baseline_samples_per_s=9.5, baseline_trial=0, gain=1.3, gain_low=1.1, gain_high=1.7)
+    path = tmp_path / "s.json"
+    write_schedule(path, data)
+    loaded = read_schedule(path)
+    assert loaded["version"] == 2 and loaded["measured"]["baseline_samples_per_s"] == 9.5
+    write_schedule(path, _schedule())
+    assert "baseline_samples_per_s" not in read_schedule(path)["measured"]
 
 
 def test_missing_and_truncated_files(tmp_path):

@@ -42,8 +42,9 @@ def _losses(stdout: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory) -> Path:
-    """A schedule exported by a real (small) tuning run of gpt2-tiny on 2 ranks: one trial of the
-    grid's first point, so that the point tested does not depend on which trial timed faster."""
+    """A schedule exported by a real (small) tuning run of gpt2-tiny on 2 ranks: one trial, the
+    study's baseline (the out-of-the-box point), so that the point tested does not depend on which
+    trial timed faster."""
     out = tmp_path_factory.mktemp("tuned")
     done = _cli("tune", "--model", "gpt2-tiny", "--world-size", "2", "--memory-budget", "64MiB", "--trials", "1",
                 "--strategy", "grid", "--ray-address", "none", "--prune", "analytic", "--measured-steps", "1",

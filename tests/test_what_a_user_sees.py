@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.request
 from html.parser import HTMLParser
+from itertools import takewhile
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ import pytest
 from benchmarks.search_strategies import load_grid, replay_tuner
 from slapo_tune.cli._live import TuneView, eta, print_summary
 from slapo_tune.cli.tune import dashboard_command
-from slapo_tune.plan import TrialStatus
+from slapo_tune.plan import TrialStatus, readable
 from slapo_tune.schedule_file import read_schedule
 from slapo_tune.search._outputs import Outputs
 
@@ -62,11 +63,17 @@ def test_the_plain_lines_say_each_trial_its_result_and_the_best_so_far(study):
     # one line per finished trial: repeats and pruned points (never launched: counted, listed in
     # trials.csv and --json-lines) left out
     shown = [t for t in told if _status(t) != "pruned"]
-    trial_lines = [line for line in lines if re.match(r"\[ *\d+/\d+\] #", line)]
-    assert len(trial_lines) == len(shown) and not any(" pruned " in line for line in trial_lines)
+    # a trial's block: its first line, then its figures' rest and its knobs on indented lines
+    blocks = [[lines[i], *takewhile(lambda line: line.startswith(" "), lines[i + 1:])]
+              for i, line in enumerate(lines) if re.match(r"\[ *\d+/\d+\] #", line)]
+    assert len(blocks) == len(shown) and not any(" pruned " in block[0] for block in blocks)
     assert not any("\x1b[" in line for line in lines)  # no terminal codes off a terminal
+    assert all(len(line) <= 80 for line in lines)
     best = 0.0
-    for t, line in zip(sorted(shown, key=lambda t: t.datetime_complete), trial_lines):
+    for t, block in zip(sorted(shown, key=lambda t: t.datetime_complete), blocks):
+        figures = next(i for i, line in enumerate(block) if "| best " in line) + 1
+        assert " ".join(block[figures:]).split() == readable(t.user_attrs["point"]).split(), block  # its knobs
+        line = " ".join(" ".join(block[:figures]).split())
         assert f"#{t.number} " in line and f" {_status(t)} " in line, line
         if _status(t) == "ok":
             best = max(best, t.values[0])

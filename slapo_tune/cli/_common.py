@@ -174,16 +174,17 @@ def add_storage_arguments(p: argparse.ArgumentParser, default_help: str) -> None
 WIDTH = 100  # the columns a command's text fits (show's table, plan's lines)
 
 
-def wrapped(text: str | Sequence[str], indent: str = "", then: str = "  ", sep: str = ", ") -> list[str]:
-    """``text`` as lines within :data:`WIDTH` columns, the first indented by ``indent``, the others
+def wrapped(text: str | Sequence[str], indent: str = "", then: str = "  ", sep: str = ", ",
+            width: int = WIDTH) -> list[str]:
+    """``text`` as lines within ``width`` columns, the first indented by ``indent``, the others
     by ``then``; broken at spaces only (``llama-70b`` stays whole) unless one word is wider. A
     sequence of phrases is joined by ``sep`` and broken between phrases only (``548.5 MiB`` whole)."""
     import textwrap
 
     if not isinstance(text, str):  # a no-break space inside a phrase: textwrap breaks at ASCII blanks only
         return [line.replace("\xa0", " ") for line in wrapped(sep.join(p.replace(" ", "\xa0") for p in text),
-                                                                indent, then)]
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=then, break_on_hyphens=False)
+                                                                indent, then, width=width)]
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=then, break_on_hyphens=False)
 
 
 def aligned(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:

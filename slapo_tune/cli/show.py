@@ -138,6 +138,12 @@ def _show(folder: Path, args: argparse.Namespace) -> int:
         knobs = ", ".join(f"{k}={v}" for k, v in schedule["knobs"].items())
         print("\n".join(wrapped(f"best (*): trial {measured.get('trial')} at {measured.get('samples_per_s') or 0:.2f} "
                                 f"samples/s: {knobs}")))
+        from ..search._outputs import baseline_of
+        from ..search._report import gain_text
+
+        baseline = baseline_of(measured)
+        if baseline is not None:
+            print("\n".join(wrapped(f"over out of the box: {gain_text(baseline)}")))
     else:
         print("best: none yet")
     return 0

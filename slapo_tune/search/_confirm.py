@@ -14,8 +14,13 @@ a trial of 150 samples/s confirmed at 114 while another trial measured 134), the
 widened once: the crowned trial and those contenders (:func:`contenders`, at most ``limit`` in
 all) are measured again side by side, and the crown goes to the fastest of that confirmation.
 
+The baseline (the trial of the out-of-the-box schedule, or of the default made to fit, which the
+tuner runs first: see ``_driver``) is measured in the same rounds, after the candidates, so that
+the gain over it is a ratio of figures taken side by side (:func:`side_by_side_gain`: the median
+of the rounds' ratios, and their range); it is never crowned unless it is a candidate.
+
 The confirmation is recorded in the study (user attribute ``confirmation``): which trials it
-confirmed, and each one's figures. It stands while the same trials are the candidates: the
+confirmed (and which was the baseline), and each one's figures, round by round too. It stands while the same trials are the candidates: the
 outputs crown from it, and a resumed study whose candidates are unchanged is not confirmed again;
 a study whose new trials changed the candidates is confirmed anew at its end (its candidates side
 by side: measurements made at other times are not compared).
@@ -26,6 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..plan import TrialStatus
+from ..space import point_key
 from ._known import trial_status
 
 if TYPE_CHECKING:
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
     from runners.trial import TrialResult
 
 RECORD = "confirmation"  # the study's user attribute holding the last confirmation
+BASELINE = "out_of_the_box"  # the study's user attribute holding the baseline point (see _driver)
 CONFIRM_NOISE = 0.03  # the least relative noise a trial's figure is assumed to carry
 CONFIRM_ROUNDS = 3  # rounds of a confirmation: each candidate runs a trial's steps per round
 
@@ -63,6 +70,52 @@ def candidates(study: Study, limit: int) -> list[FrozenTrial]:
     best = ok[0]
     near = [t for t in ok if t.values[0] >= best.values[0] * (1 - max(CONFIRM_NOISE, _spread(best), _spread(t)))]
     return near[:limit]
+
+
+def why_confirmed(chosen: list[FrozenTrial]) -> dict[int, str]:
+    """Why each of ``chosen`` (:func:`candidates`, fastest first) is measured again, in a few words."""
+    if not chosen:
+        return {}
+    best = chosen[0]
+    why = {best.number: "the fastest trial"}
+    for t in chosen[1:]:
+        noise = max(CONFIRM_NOISE, _spread(best), _spread(t))
+        why[t.number] = f"within {noise:.0%} of the fastest, a trial's noise"
+    return why
+
+
+def baseline_trial(study: Study) -> FrozenTrial | None:
+    """The trial of the study's baseline point (``BASELINE``): the first that ran ok, else the
+    first that ran to an outcome of the point's own (oom, crash, ...); None when it has not run."""
+    record = study.user_attrs.get(BASELINE)
+    if not record:
+        return None
+    key = point_key(record["point"])
+    ran = [t for t in study.get_trials(deepcopy=False)
+           if t.user_attrs.get("point") is not None and point_key(t.user_attrs["point"]) == key
+           and trial_status(t) is not None and (trial_status(t).launched or trial_status(t) is TrialStatus.INVALID)]
+    return next((t for t in ran if trial_status(t) is TrialStatus.OK), ran[0] if ran else None)
+
+
+def side_by_side_gain(record: dict[str, Any], number: int) -> dict[str, Any] | None:
+    """Trial ``number`` over the baseline in the same confirmation ``record``, round by round
+    (each round measures both within minutes: a paired comparison, the machine's load alike):
+    ``gain`` the median of the rounds' ratios (of each round's own figures), ``low`` and ``high``
+    their range, ``rounds`` those where both measured; where no round measured both, the ratio of
+    the pooled figures. (The pooled figures' ratio can fall outside the rounds' range: their
+    medians may come from different rounds.) None when the record has no baseline or either
+    measured nothing."""
+    import statistics
+
+    baseline = record.get("baseline")
+    if baseline is None:
+        return None
+    ours, theirs = record["figures"].get(str(number)), record["figures"].get(str(baseline))
+    if not ours or not theirs or not ours["samples_per_s"] or not theirs["samples_per_s"]:
+        return None
+    ratios = [a / b for a, b in zip(ours.get("rounds") or [], theirs.get("rounds") or []) if a and b]
+    gain = statistics.median(ratios) if ratios else ours["samples_per_s"] / theirs["samples_per_s"]
+    return {"gain": gain, "low": min(ratios, default=gain), "high": max(ratios, default=gain), "rounds": len(ratios)}
 
 
 def contenders(study: Study, record: dict[str, Any]) -> list[FrozenTrial]:
@@ -99,19 +152,28 @@ def crowned(study: Study) -> tuple[FrozenTrial | None, dict[str, Any] | None]:
     return best_trial(study), None
 
 
+def measured_side_by_side(chosen: list[FrozenTrial], baseline: FrozenTrial | None) -> list[FrozenTrial]:
+    """The trials a confirmation runs in each round: ``chosen``, then the baseline unless it is one of them."""
+    return chosen + ([baseline] if baseline is not None and baseline.number not in {t.number for t in chosen} else [])
+
+
 def confirmation(chosen: list[FrozenTrial], runs: dict[int, list[TrialResult]], global_batch: int, limit: int,
-                 rounds: int) -> dict[str, Any]:
-    """The record of a confirmation: each candidate's figures from its rounds' steps pooled
-    (``samples_per_s`` of their median, ``spread``, the steps, the errors of rounds that failed)
-    and the crowned trial (None when no candidate measured anything)."""
+                 rounds: int, baseline: FrozenTrial | None = None) -> dict[str, Any]:
+    """The record of a confirmation: each measured trial's figures from its rounds' steps pooled
+    (``samples_per_s`` of their median, ``spread``, the steps, the errors of rounds that failed,
+    ``rounds``: each round's own figure, None where it failed), the crowned trial (the fastest
+    candidate; None when no candidate measured anything) and the ``baseline`` measured beside them."""
     from runners.trial import step_figures
 
     figures: dict[str, dict[str, Any]] = {}
-    for t in chosen:
+    for t in measured_side_by_side(chosen, baseline):
         steps = [s for r in runs[t.number] if r.status == TrialStatus.OK for s in r.step_times]
         failed = [f"{r.status}: {r.error}" for r in runs[t.number] if r.status != TrialStatus.OK]
         entry: dict[str, Any] = {"samples_per_s": None, "spread": None, "step_times": steps, "failed": failed,
-                                 "trial_samples_per_s": t.values[0]}
+                                 "trial_samples_per_s": t.values[0],
+                                 "rounds": [global_batch / step_figures(r.step_times)[0]
+                                            if r.status == TrialStatus.OK and r.step_times else None
+                                            for r in runs[t.number]]}
         if steps:
             median, _, _, spread = step_figures(steps)
             entry.update(samples_per_s=global_batch / median, spread=spread)
@@ -119,4 +181,4 @@ def confirmation(chosen: list[FrozenTrial], runs: dict[int, list[TrialResult]], 
     measured = [t.number for t in chosen if figures[str(t.number)]["samples_per_s"] is not None]
     best = max(measured, key=lambda n: figures[str(n)]["samples_per_s"], default=None)  # ties: the faster trial
     return {"candidates": [t.number for t in chosen], "limit": limit, "rounds": rounds, "figures": figures,
-            "crowned": best}
+            "crowned": best, "baseline": None if baseline is None else baseline.number}

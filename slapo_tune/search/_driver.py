@@ -7,6 +7,11 @@ never launched twice). Out-of-memory and pruned points are told to Optuna as inf
 (constraint > 0), so constraint-aware samplers stop proposing their neighbourhood. A launch the
 cluster failed (``lost``, ``placement_timeout``) teaches nothing about the point: it is told as
 failed, not infeasible, spends no trial of the budget, and its point is queued again once.
+
+The study's first trial is its *baseline*: the out-of-the-box schedule (``plan.OUT_OF_THE_BOX``),
+or where the cost model says it cannot fit, the default made to fit (the fitting point that
+changes the fewest of its knobs, the fastest predicted of those). Confirmation measures it again
+beside the candidates, so the gain the summary states is measured side by side (see ``._confirm``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from ..errors import SlapoTuneError, UsageError
 from ..plan import TrialStatus
 from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
-from ._confirm import CONFIRM_ROUNDS
+from ._confirm import BASELINE, CONFIRM_ROUNDS
 from ._known import KnownReader, settled_status, trial_status
 from ._outputs import OUTPUTS_ATTR
 from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
@@ -45,6 +50,9 @@ RESERVATION_WAIT = 10.0
 # infrastructure failures in a row, per trial in flight, after which the study stops: every point
 # is retried once, so a cluster that fails every trial would otherwise be asked forever
 INFRA_IN_A_ROW = 3
+# fitting points (by the analytic verdict) checked by the tuner's own pruning, nearest first, for
+# the default made to fit: the analytic verdict is optimistic, exact mode may refuse a few
+MADE_TO_FIT_TRIES = 20
 
 
 def driver_alive(driver: str) -> bool | None:
@@ -96,6 +104,9 @@ class TuneConfig:
     # see ._confirm), in this many alternating rounds of a trial's steps each
     confirm: int = 3
     confirm_rounds: int = CONFIRM_ROUNDS
+    # the out-of-the-box schedule (or the default made to fit) run as the study's first trial and
+    # measured again beside the candidates: the gain the summary states is measured, not predicted
+    baseline: bool = True
 
     @property
     def multi_objective(self) -> bool:
@@ -172,6 +183,7 @@ class Tuner:
         self.outputs = (Outputs(self.config.out, self.problem, self.config.strategy, self._command())
                         if write_outputs else None)
         self.progress = Progress()
+        self.confirm_seconds = 0.0  # how long this run's confirmation took
         self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}
         self.study = self._open_study()
         self._record_out_of_the_box()
@@ -260,19 +272,55 @@ class Tuner:
                              f"a backup may hold the study); to begin a new study there, remove {table}")
 
     def _record_out_of_the_box(self) -> None:
-        """Record the out-of-the-box schedule (``plan.OUT_OF_THE_BOX``) and its prediction in the
-        study, which the summary and the report compare the crowned point with (see
-        ``_outputs.out_of_the_box``); nothing where this space has no such point (pinned away)."""
+        """Record the baseline in the study: the out-of-the-box schedule (``plan.OUT_OF_THE_BOX``),
+        or where it cannot fit, the default made to fit (:meth:`_made_to_fit`; the out-of-the-box
+        point is then kept as ``out_of_the_box``), with its prediction; the summary and the report
+        compare the crowned point with it (see ``_report.out_of_the_box``). Nothing where this
+        space has no such point (pinned away)."""
         from ..plan import OUT_OF_THE_BOX
 
         try:
             point = self.space.complete(OUT_OF_THE_BOX)
         except UsageError:
             return
-        record = {"point": point, "predicted": self._predict(point),
-                  "fits": self.cost.verdict(point, self.config.memory_budget).fits}
-        if self.study.user_attrs.get("out_of_the_box") != record:
-            self.study.set_user_attr("out_of_the_box", record)
+        stored = self.study.user_attrs.get(BASELINE) or {}
+        record: dict[str, Any] = {"point": point, "fits": self._fits(point)}
+        if not record["fits"]:
+            # the same problem and budget (_check_same_study) make the same choice: not searched again
+            fitted = stored["point"] if stored.get("out_of_the_box") == point else self._made_to_fit(point)
+            if fitted is not None:
+                record = {"point": fitted, "fits": True, "out_of_the_box": point}
+        record["predicted"] = self._predict(record["point"])
+        if stored != record:
+            self.study.set_user_attr(BASELINE, record)
+
+    def _fits(self, point: Point) -> bool:
+        """Whether ``point`` fits the budget by the tuner's pruning (analytic where pruning is off)."""
+        return self.cost.verdict(point, self.config.memory_budget, exact=self.config.prune == "exact").fits
+
+    def _made_to_fit(self, default: Point) -> Point | None:
+        """The point a user makes ``default`` fit the budget with: of the points that fit, one
+        that changes the fewest of its knobs, the fastest predicted of those; None if none fits."""
+        points = list(self.space.enumerate())
+        predicted = self._predictions(points)
+        nearest = sorted((i for i in range(len(points)) if predicted.fits[i]),
+                         key=lambda i: (sum(points[i][k] != v for k, v in default.items()),
+                                        -predicted.throughputs[i], i))
+        return next((points[i] for i in nearest[:MADE_TO_FIT_TRIES] if self._fits(points[i])), None)
+
+    def _queue_baseline(self) -> None:
+        """Queue the baseline as the next trial (the study's first) unless the study has a trial
+        of it already, queued, running or told (a resumed study), it cannot fit, or no trial is
+        left to run it (a finished study resumed: nothing is left queued)."""
+        record = self.study.user_attrs.get(BASELINE)
+        if not self.config.baseline or not record or not record["fits"] or self.progress.launched >= self.config.trials:
+            return
+        key = point_key(record["point"])
+        for t in self.study.get_trials(deepcopy=False):
+            point = t.user_attrs.get("point")
+            if t.user_attrs.get("baseline") or (point is not None and point_key(point) == key):
+                return
+        self.study.enqueue_trial(self.space.params_of(record["point"]), user_attrs={"baseline": True})
 
     def _check_same_study(self, study: Study) -> None:
         stored = study.user_attrs.get("context")
@@ -500,7 +548,11 @@ class Tuner:
     def run(self) -> dict[str, Any]:
         """Tune until the trial or time budget is spent (or nothing is left); returns a summary."""
         stop = None
-        self._event("start", {})  # the counts a resumed study starts from
+        self._queue_baseline()
+        baseline = self.study.user_attrs.get(BASELINE) or {}
+        # the counts a resumed study starts from, and the baseline (the view names its trial)
+        self._event("start", {}, baseline_point=baseline.get("point") if self.config.baseline else None,
+                    made_to_fit="out_of_the_box" in baseline)
         pool = cf.ThreadPoolExecutor(max_workers=max(1, self.config.concurrency), thread_name_prefix="trial")
         try:
             while True:
@@ -533,7 +585,9 @@ class Tuner:
                     trial, point, predicted = self._in_flight.pop(future)
                     self._tell_result(trial, point, future.result(), predicted)
             if stop not in ("time budget", "infrastructure failing"):  # no time left, or no cluster to run on
+                began = time.monotonic()
                 self._confirm()
+                self.confirm_seconds = time.monotonic() - began
             if self.outputs is not None:
                 self.outputs.finish(self.study)
         except OSError as exc:  # the disk is full or the folder read-only: stop, keep what is recorded
@@ -557,45 +611,82 @@ class Tuner:
         the study; nothing to do when confirmation is off, for a Pareto front (nothing to crown),
         or when the study's standing confirmation already covers the same candidates (a resumed
         study that finished)."""
-        from ._confirm import RECORD, candidates, contenders, recorded
+        from ._confirm import (
+            RECORD,
+            baseline_trial,
+            candidates,
+            contenders,
+            recorded,
+            side_by_side_gain,
+            why_confirmed,
+        )
 
         limit, rounds = self.config.confirm, self.config.confirm_rounds
         if limit < 1 or rounds < 1 or self.config.multi_objective:
             return
         chosen = candidates(self.study, limit)
+        baseline = baseline_trial(self.study) if self.config.baseline else None
+        if baseline is not None and trial_status(baseline) is not TrialStatus.OK:
+            baseline = None  # it failed as a trial: nothing to measure it against
         standing = recorded(self.study)
         if not chosen or (standing is not None and standing.get("first", standing["candidates"])
-                          == [t.number for t in chosen] and standing["rounds"] == rounds):
+                          == [t.number for t in chosen] and standing["rounds"] == rounds
+                          and standing.get("baseline") == (baseline.number if baseline else None)):
             return
-        record = self._side_by_side(chosen, limit, rounds)
+        record = self._side_by_side(chosen, limit, rounds, baseline, why_confirmed(chosen))
         others = contenders(self.study, record)[:limit - 1]
         if others:  # the crowned trial was lucky: it and the trials that may be faster, side by side
             lucky = next(t for t in chosen if t.number == record["crowned"])
+            confirmed_at = record["figures"][str(lucky.number)]["samples_per_s"]
+            why = {lucky.number: f"crowned, but confirmed at {confirmed_at:.2f} samples/s, below these trials' figures",
+                   **{t.number: "its trial measured faster than that by more than the noise" for t in others}}
             first, chosen = chosen, sorted([lucky, *others], key=lambda t: (-t.values[0], t.number))
-            record = {**self._side_by_side(chosen, limit, rounds), "first": [t.number for t in first]}
+            record = {**self._side_by_side(chosen, limit, rounds, baseline, why, widened=True),
+                      "first": [t.number for t in first]}
         self.study.set_user_attr(RECORD, record)
         if record["crowned"] is not None:
             figures = record["figures"][str(record["crowned"])]
             crowned = next(t for t in chosen if t.number == record["crowned"])
             self._event("confirmed", crowned.user_attrs["point"], trial=crowned.number,
-                        samples_per_s=figures["samples_per_s"], spread=figures["spread"], candidates=len(chosen))
+                        samples_per_s=figures["samples_per_s"], spread=figures["spread"], candidates=len(chosen),
+                        steps=len(figures["step_times"]), baseline=record["baseline"],
+                        gain=side_by_side_gain(record, crowned.number))
 
-    def _side_by_side(self, chosen: list, limit: int, rounds: int) -> dict[str, Any]:
-        """Run the trials ``chosen`` again, in alternating rounds (A B C A B C ...: the machine's
-        load falls on all alike), and give the record of that confirmation (._confirm.confirmation)."""
-        from ._confirm import confirmation
+    def _side_by_side(self, chosen: list, limit: int, rounds: int, baseline, why: dict[int, str],
+                      widened: bool = False) -> dict[str, Any]:
+        """Run the trials ``chosen`` (and the ``baseline`` trial after them) again, in alternating
+        rounds (A B C A B C ...: the machine's load falls on all alike), and give the record of
+        that confirmation (._confirm.confirmation). ``why``: why each of ``chosen`` is confirmed,
+        said once as the phase begins (the ``confirming`` event; ``widened``: a second
+        confirmation, see ._confirm.contenders)."""
+        import statistics
 
-        runs: dict[int, list] = {t.number: [] for t in chosen}
+        from ._confirm import confirmation, measured_side_by_side
+
+        measured = measured_side_by_side(chosen, baseline)
+        total = rounds * len(measured)
+        # before the first run ends, a run is expected to last as long as these trials took
+        walls = [(t.user_attrs.get("result") or {}).get("wall_seconds") for t in measured]
+        self._event("confirming", {}, rounds=rounds, runs=total, estimate_s=statistics.median(
+            [w for w in walls if w] or [0.0]), trials=[
+            {"trial": t.number, "samples_per_s": t.values[0],
+             "why": why.get(t.number) or "the baseline, for the measured gain"} for t in measured],
+            baseline=None if baseline is None else baseline.number, widened=widened)
+        runs: dict[int, list] = {t.number: [] for t in measured}
+        done = 0
         for round_ in range(1, rounds + 1):
-            for t in chosen:
+            for t in measured:
                 point = t.user_attrs["point"]
                 spec = replace(self.trial_spec(t.number, point), name=f"confirm-{t.number}-{round_}",
                                confirm_round=round_)
+                where = dict(trial=t.number, round=round_, rounds=rounds, run=done + 1, runs=total)
+                self._event("confirm_launched", point, **where)
                 result = self.runner.run(spec)
                 runs[t.number].append(result)
-                self._event("confirm", point, trial=t.number, round=round_, rounds=rounds,
-                            samples_per_s=result.samples_per_s, status=str(result.status))
-        return confirmation(chosen, runs, self.problem.spec.global_batch, limit, rounds)
+                done += 1
+                self._event("confirm", point, **where, samples_per_s=result.samples_per_s,
+                            status=str(result.status), error=result.error, trial_samples_per_s=t.values[0])
+        return confirmation(chosen, runs, self.problem.spec.global_batch, limit, rounds, baseline)
 
     def summary(self, stop: str) -> dict[str, Any]:
         """The run's counts, and the point crowned in the whole study (other drivers' trials too):
@@ -614,5 +705,6 @@ class Tuner:
                 "best": (confirmed["samples_per_s"] if confirmed else best.values[0]) if best else None,
                 "best_point": best.user_attrs["point"] if best else None, "confirmed": confirmed,
                 "best_peak": max((best.user_attrs.get("result") or {}).get("peak_memory") or [0]) or None if best else None,
-                "elapsed": time.monotonic() - p.started, "study": self.study.study_name, "config": config,
+                "elapsed": time.monotonic() - p.started, "confirm_seconds": self.confirm_seconds,
+                "study": self.study.study_name, "config": config,
                 "by_status": statuses(self.study), "out_of_the_box": out_of_the_box(self.study, best, confirmed)}

@@ -3,7 +3,8 @@ driver loses nothing that was told, and a resumed one rewrites the same files.
 
 - ``trials.csv`` (and ``trials.parquet`` where pyarrow is installed): one row per trial;
 - ``best_schedule.json``: the crowned point as a schedule file (the fastest confirmed one where the
-  study's confirmation stands, see ``._confirm``; else the fastest trial);
+  study's confirmation stands, see ``._confirm``; else the fastest trial), with the baseline's
+  measured figure beside its own and the gain over it (``._report.out_of_the_box``);
 - ``report.html`` (self-contained, images inlined; see ``._report``) with the PNGs beside it.
 """
 
@@ -19,7 +20,7 @@ from ..plan import TrialStatus, knob_value
 from ..schedule_file import make_schedule, write_schedule
 from ._confirm import crowned, recorded
 from ._known import trial_status
-from ._report import write_report
+from ._report import out_of_the_box, write_report
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -90,7 +91,8 @@ class Outputs:
 
     def __init__(self, out: Path, problem: Problem, strategy: str, command: str | None = None) -> None:
         self.out, self.problem, self.strategy, self.command = out, problem, strategy, command
-        self._schedule_written: tuple | None = None  # the trial best_schedule.json holds, and its confirmed figures
+        # the trial best_schedule.json holds, its confirmed figures and the baseline's
+        self._schedule_written: tuple | None = None
         self._report_written = time.monotonic()  # when the report was last drawn (or the outputs began)
         self._report_seconds = 0.0  # how long drawing it took
 
@@ -114,9 +116,11 @@ class Outputs:
         except ImportError:
             pass
         best, confirmed = crowned(study)
-        if best is not None and self._schedule_written != (best.number, confirmed):
-            write_schedule(self.out / "best_schedule.json", schedule_of(self.problem, study.study_name, best, confirmed))
-            self._schedule_written = (best.number, confirmed)
+        baseline = out_of_the_box(study, best, confirmed)
+        if best is not None and self._schedule_written != (best.number, confirmed, baseline):
+            write_schedule(self.out / "best_schedule.json",
+                           schedule_of(self.problem, study.study_name, best, confirmed, baseline))
+            self._schedule_written = (best.number, confirmed, baseline)
         now = time.monotonic()
         # at most REPORT_SHARE of the driver's time on plots, however fast trials come back
         interval = max(REPORT_INTERVAL, self._report_seconds / REPORT_SHARE)
@@ -125,11 +129,16 @@ class Outputs:
             self._report_written, self._report_seconds = now, time.monotonic() - now
 
 
-def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
-                confirmed: dict[str, Any] | None = None) -> dict[str, Any]:
+MEASURED_GAINS = ("same", "side by side", "trials")  # out_of_the_box's ``how`` where the baseline was measured
+
+
+def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial, confirmed: dict[str, Any] | None = None,
+                baseline: dict[str, Any] | None = None) -> dict[str, Any]:
     """The schedule file of ``trial``'s point; its measured figures are the confirmation's
     (``confirmed``: the median of every confirmed step, their spread, and the trial's own figure
-    beside them) where it was confirmed."""
+    beside them) where it was confirmed; beside them the ``baseline``'s (``._report.out_of_the_box``)
+    where it was measured: ``baseline_samples_per_s``, its trial and knobs, ``gain`` and how it
+    was had (``gain_how``; side by side: ``gain_low``-``gain_high`` round by round)."""
     from ..models import config_fingerprint
 
     plan = problem.plan(trial.user_attrs["point"])
@@ -143,6 +152,14 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
         measured.update(samples_per_s=confirmed["samples_per_s"], tokens_per_s=confirmed["samples_per_s"] * p.seq_len,
                         step_times=confirmed["step_times"], spread=confirmed["spread"], confirmed=True,
                         trial_samples_per_s=result.get("samples_per_s"))
+    if baseline is not None and baseline["how"] in MEASURED_GAINS:
+        measured.update(baseline_samples_per_s=baseline["samples_per_s"], baseline_trial=baseline["trial"],
+                        baseline_knobs=baseline["point"], baseline_spread=(baseline["spreads"] or [None, None])[1],
+                        gain=baseline["gain"], gain_how=baseline["how"])
+        if baseline["default"] is not None:  # made to fit: the out-of-the-box point it was made from
+            measured.update(baseline_made_from=baseline["default"])
+        if baseline["how"] == "side by side":
+            measured.update(gain_low=baseline["low"], gain_high=baseline["high"], gain_rounds=baseline["rounds"])
     return make_schedule(
         template=problem.template.record(), plan=plan,
         world_size=p.world_size, global_batch=p.global_batch, seq_len=p.seq_len, precision=p.precision, device=p.device,
@@ -152,6 +169,18 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial,
         predicted={"peak_memory": predicted.get("peak"), "step_seconds": predicted.get("step_s")},
         study=study_name, stage_blocks=rank_block_counts(problem.info.layers, plan.pp, knob_value(plan, "vpp")),
     )
+
+
+def baseline_of(measured: dict[str, Any]) -> dict[str, Any] | None:
+    """A schedule's ``measured`` baseline figures (written by :func:`schedule_of`) as
+    ``._report.out_of_the_box`` gives them (for ``._report.gain_text``); None where it has none."""
+    if measured.get("baseline_samples_per_s") is None or measured.get("gain") is None:
+        return None
+    return {"point": measured.get("baseline_knobs") or {}, "default": measured.get("baseline_made_from"), "fits": True,
+            "trial": measured.get("baseline_trial"), "status": TrialStatus.OK.value,
+            "samples_per_s": measured["baseline_samples_per_s"], "gain": measured["gain"],
+            "low": measured.get("gain_low"), "high": measured.get("gain_high"), "rounds": measured.get("gain_rounds"),
+            "how": measured.get("gain_how"), "spreads": [measured.get("spread"), measured.get("baseline_spread")]}
 
 
 def export(storage: str | None, study_name: str | None, out: Path, report: bool = True,

@@ -5,7 +5,8 @@ knob as small multiples, each knob's values in natural order; peak memory by tri
 budget, pruned points (predicted peaks) apart from measured ones; measured against predicted step
 time; knob importance (``optuna.importance`` over the points that ran); a timeline of the trials;
 the warnings once each; the trials as a table with units. Also what the tune command's summary
-reads: the trials by status and the gain over the out-of-the-box schedule.
+reads: the trials by status and the gain over the out-of-the-box schedule (:func:`out_of_the_box`,
+in words :func:`gain_text`: the summary, the report and ``show`` say it alike).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .._atomic import atomic_write, atomic_write_text
 from ..plan import SHORT_NAMES, TrialStatus, is_idle, readable
 from ..space import point_key
 from ..units import format_size, size_argument
+from ._confirm import BASELINE, baseline_trial, recorded, side_by_side_gain
 from ._known import trial_status
 
 if TYPE_CHECKING:
@@ -100,22 +102,75 @@ def most_common_failure(study: Study) -> str | None:
 
 
 def out_of_the_box(study: Study, best: FrozenTrial | None, confirmed: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The crowned point against the out-of-the-box schedule the tuner recorded (``plan.OUT_OF_THE_BOX``):
-    measured where the study ran that point, else the ratio of the cost model's predictions
-    (``how``); None before a point ran ok or where the space has no such point."""
-    record = study.user_attrs.get("out_of_the_box")
+    """The crowned trial ``best`` (its ``confirmed`` figures where confirmed) against the baseline
+    the tuner recorded (the out-of-the-box schedule, ``plan.OUT_OF_THE_BOX``, or the default made
+    to fit: ``default`` then holds the out-of-the-box point). ``how`` the gain was had:
+
+    - ``same``: the crowned point is the baseline (1.00x);
+    - ``side by side``: both measured in the same confirmation rounds; ``low``/``high`` the range
+      of the ratio round by round (``rounds`` of them);
+    - ``trials``: the two trials' own figures, measured apart (``spreads``: their step spreads);
+    - ``failed``: the baseline's trial ran but not ok (``status``), no gain;
+    - ``predicted``: it never ran: the ratio of the cost model's predictions (None where it
+      cannot fit).
+
+    None before a point ran ok or where the space has no such point."""
+    record = study.user_attrs.get(BASELINE)
     if record is None or best is None:
         return None
-    key = point_key(record["point"])
-    ran = next((t for t in study.get_trials(deepcopy=False) if trial_status(t) is TrialStatus.OK
-                and point_key(t.user_attrs["point"]) == key), None)
-    if ran is not None:
-        figure = confirmed["samples_per_s"] if confirmed else best.values[0]
-        return {"point": record["point"], "fits": True, "how": "measured", "samples_per_s": ran.values[0],
-                "gain": figure / ran.values[0]}
+    out: dict[str, Any] = {"point": record["point"], "default": record.get("out_of_the_box"), "fits": record["fits"],
+                           "trial": None, "status": None, "samples_per_s": None, "gain": None, "low": None,
+                           "high": None, "rounds": 0, "spreads": None}
+    figure = confirmed["samples_per_s"] if confirmed else best.values[0]
+    trial = baseline_trial(study)
+    if trial is not None:
+        out.update(trial=trial.number, status=trial_status(trial).value)
+    if point_key(best.user_attrs["point"]) == point_key(record["point"]):
+        return {**out, "how": "same", "trial": best.number, "status": TrialStatus.OK.value, "samples_per_s": figure,
+                "gain": 1.0, "low": 1.0, "high": 1.0}
+    standing = recorded(study) if confirmed else None
+    gain = side_by_side_gain(standing, best.number) if standing else None
+    if gain is not None:
+        baseline = standing["figures"][str(standing["baseline"])]
+        return {**out, "how": "side by side", "trial": standing["baseline"], "status": TrialStatus.OK.value,
+                "samples_per_s": baseline["samples_per_s"], "spreads": [confirmed["spread"], baseline["spread"]], **gain}
+    if trial is not None and trial_status(trial) is TrialStatus.OK:
+        ours = confirmed["spread"] if confirmed else (best.user_attrs.get("result") or {}).get("spread")
+        return {**out, "how": "trials", "samples_per_s": trial.values[0], "gain": figure / trial.values[0],
+                "spreads": [ours, (trial.user_attrs.get("result") or {}).get("spread")]}
+    if trial is not None:
+        return {**out, "how": "failed"}
     predicted, base = (best.user_attrs.get("predicted") or {}).get("throughput"), record["predicted"]["throughput"]
-    return {"point": record["point"], "fits": record["fits"], "how": "predicted", "samples_per_s": None,
-            "gain": predicted / base if record["fits"] and predicted and base else None}
+    return {**out, "how": "predicted", "gain": predicted / base if record["fits"] and predicted and base else None}
+
+
+def gain_text(baseline: dict[str, Any] | None, knobs: list[str] | None = None) -> str:
+    """:func:`out_of_the_box` in words (``knobs``: those a point shows; all when None)."""
+    if baseline is None:
+        return "no out-of-the-box point in this space"
+    point = readable(baseline["point"], knobs)
+    if baseline.get("default") is not None:  # the knobs the default was made to fit by
+        changed = {k: v for k, v in baseline["point"].items() if baseline["default"].get(k) != v}
+        point = f"{point} (out of the box made to fit: {readable(changed)})"
+    how = baseline["how"]
+    if how == "same":
+        return f"1.00x: the crowned point is the baseline itself (trial {baseline['trial']}: {point})"
+    if how in ("side by side", "trials"):
+        spread = (baseline.get("spreads") or [None, None])[1]
+        measured = (f"out of the box: trial {baseline['trial']}, {baseline['samples_per_s']:.2f} samples/s"
+                    + ("" if spread is None else f", step spread {spread:.1%}") + f" ({point})")
+    if how == "side by side":
+        return (f"{baseline['gain']:.2f}x measured side by side (per round {baseline['low']:.2f}-"
+                f"{baseline['high']:.2f}x, {baseline['rounds']} round(s)); {measured}")
+    if how == "trials":
+        return f"{baseline['gain']:.2f}x measured by the two trials apart, not side by side; {measured}"
+    if how == "failed":
+        return f"not measured: the out-of-the-box trial {baseline['trial']} ended {baseline['status']} ({point})"
+    if not baseline["fits"]:
+        return f"{point} does not fit the budget (predicted)"
+    if baseline["gain"] is None:
+        return f"{point} not measured"
+    return f"~{baseline['gain']:.2f}x by the cost model's predictions ({point} not measured)"
 
 
 def tune_command(config: Any) -> str:
@@ -356,13 +411,7 @@ def _best_table(problem: Problem, best: FrozenTrial, confirmed: dict[str, Any] |
         rows.append(("step time", f"{statistics.median(steps):.4g} s (median of {len(steps)}; predicted "
                                   f"{_cell(predicted.get('step_s'))} s)"))
     if baseline is not None:
-        out_of_box = readable(baseline["point"])
-        gain = ("does not fit the budget (predicted)" if not baseline["fits"] else
-                f"{baseline['gain']:.2f}x measured ({baseline['samples_per_s']:.2f} samples/s)"
-                if baseline["how"] == "measured" else
-                f"~{baseline['gain']:.2f}x by the cost model's predictions (not measured)" if baseline["gain"] else
-                "not measured")
-        rows.append(("over out of the box", f"{gain}: {html.escape(out_of_box)}"))
+        rows.append(("over out of the box", html.escape(gain_text(baseline))))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in rows)
     return f"<table class='best'>{body}</table>"
 
