@@ -121,7 +121,8 @@ def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
     from pathlib import Path
 
     from slapo_tune.cli._live import TuneView
-    from slapo_tune.cli.tune import best_line
+    from slapo_tune.cli.tune import best_lines
+    from slapo_tune.plan import readable
 
     stream = io.StringIO()
     tuner, runner, order = _tuner(grid, trials=5, confirm=confirm, report=TuneView("plain", grid[1], stream=stream))
@@ -136,9 +137,12 @@ def test_confirm_n_measures_at_most_n_candidates(grid, confirm, runs, crowned):
     # why each is confirmed, once, as the phase begins
     assert sum(line.startswith("[confirm] measured again side by side") for line in lines) == (confirm > 0)
     assert sum("the fastest trial" in line for line in lines) == (confirm > 0)
-    line = best_line(summary, Path("best_schedule.json"))
-    assert f"at {summary['best']:.2f} samples/s" in line
+    said = best_lines(summary, Path("best_schedule.json"), 80)
+    assert all(len(line) <= 80 for line in said)
+    line = " ".join(s.strip() for s in said)
+    assert line.startswith(f"best: {summary['best']:.2f} samples/s")
     assert ("confirmed (median of 9 steps, spread 14.4%; its trial measured" in line) == (confirm > 0)
+    assert line.endswith(readable(summary["best_point"]))  # the knobs, as the live view shows a trial's
 
 
 def test_a_lucky_trial_confirmed_below_other_trials_is_confirmed_again_beside_them(grid, tmp_path):

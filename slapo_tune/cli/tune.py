@@ -21,6 +21,7 @@ from ._common import (
     positive_int,
     problem_spec,
     seed_int,
+    wrapped,
 )
 
 if TYPE_CHECKING:
@@ -87,17 +88,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--json-lines", action="store_true", help="one JSON object per event on stdout")
 
 
-def best_line(summary: dict, schedule: Path) -> str:
-    """The summary's line on the crowned point (a summary with one: see ``no_result_reason``
-    otherwise): its confirmed figure where it was confirmed."""
-    from ..space import format_point
+def best_lines(summary: dict, schedule: Path, width: int) -> list[str]:
+    """The summary's lines on the crowned point (a summary with one: see ``no_result_reason``
+    otherwise): its figure (confirmed, where it was) and file, then its knobs on indented lines, as
+    the live view shows a trial's, all within ``width`` columns."""
+    from ..plan import readable
+    from ._live import knob_lines
 
     best, confirmed = summary["best_point"], summary["confirmed"]
     if confirmed is None:
-        return f"best: {format_point(best)} at {summary['best']:.2f} samples/s -> {schedule}"
-    return (f"best: {format_point(best)} at {summary['best']:.2f} samples/s, confirmed (median of "
-            f"{len(confirmed['step_times'])} steps, spread {confirmed['spread']:.1%}; its trial measured "
-            f"{confirmed['trial_samples_per_s']:.2f}) -> {schedule}")
+        line = f"best: {summary['best']:.2f} samples/s -> {schedule}"
+    else:
+        line = (f"best: {summary['best']:.2f} samples/s, confirmed (median of {len(confirmed['step_times'])} steps, "
+                f"spread {confirmed['spread']:.1%}; its trial measured {confirmed['trial_samples_per_s']:.2f}) "
+                f"-> {schedule}")
+    return wrapped(line, width=width) + knob_lines(readable(best), width)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,10 +180,11 @@ def run(args: argparse.Namespace) -> int:
         storage_shown = redact(storage_at, storage_at) if storage_at else str(out / "study.journal")
         if not args.json_lines:
             ranks = f"{args.world_size} {setup.name} rank(s), one GPU each" if setup.cuda else f"{args.world_size} cpu rank(s)"
-            print(f"slapo-tune: {args.model} on {ranks}, {precision}, budget {budget_text} per rank, "
-                  f"{hardware_line}, strategy {config.strategy}, {config.trials} trial(s), "
-                  f"{cluster.runner.concurrency} in flight; {cluster.describe()}; study "
-                  f"'{tuner.study.study_name}' in {storage_shown}", file=sys.stderr, flush=True)
+            header = [f"slapo-tune: {args.model} on {ranks}", precision, f"budget {budget_text} per rank", hardware_line,
+                      f"strategy {config.strategy}", f"{config.trials} trial(s)",
+                      f"{cluster.runner.concurrency} in flight", cluster.describe(),
+                      f"study '{tuner.study.study_name}' in {storage_shown}"]
+            print("\n".join(wrapped(header, width=view.width)), file=sys.stderr, flush=True)
         with view:
             summary = tuner.run()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (see ._signals)
@@ -201,11 +207,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NO_RESULT
     if not args.json_lines:
         print_summary(summary, budget, shown)
-        print(best_line(summary, out / "best_schedule.json"))
+        print("\n".join(best_lines(summary, out / "best_schedule.json", view.width)))
         # (a URL's password is shown as ***: the user types their own)
         password = ", your password for ***" if storage_at and storage_shown != storage_at else ""
-        print(f"see: slapo-tune show {out}   (report: {out / 'report.html'}; "
-              f"{dashboard_command(storage_shown)}{password})")
+        print("\n".join(wrapped([f"see: slapo-tune show {out}", f"report: {out / 'report.html'}",
+                                  f"{dashboard_command(storage_shown)}{password}"], sep="; ", width=view.width)))
     return EXIT_OK
 
 
