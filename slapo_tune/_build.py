@@ -17,9 +17,22 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ._schedule import INIT_PARTS, TRACED_FROM, Schedule, state_of
+from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
+from ._master_weights import MasterWeights
+from ._pipeline import (
+    StageInfo,
+    StageModule,
+    VirtualStages,
+    make_stage,
+    plan_stages,
+    set_compute_dtype,
+    structural_copy,
+)
+from ._schedule import Schedule
 from ._sharding import rule_for
+from ._state import INIT_OWNERS_ATTR, INIT_PARTS, TRACED_FROM, direct_tensors, state_of
 from .errors import MaterializeError, PipelineError, ScheduleError
+from .precision import precision as precision_named
 
 _UNIT_ELEMENTS = 1 << 26  # ~256 MiB of fp32 per unit at full size
 
@@ -30,19 +43,10 @@ def _full_shape(module: nn.Module, name: str, tensor: torch.Tensor) -> tuple[int
     return spec.full_shape if spec is not None else tuple(tensor.shape)
 
 
-def _direct_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    for name, p in module._parameters.items():
-        if p is not None:
-            yield name, p, True
-    for name, b in module._buffers.items():
-        if b is not None:
-            yield name, b, False
-
-
 def _subtree_elements(module: nn.Module) -> int:
     total = 0
     for m in module.modules():
-        for name, t, _ in _direct_tensors(m):
+        for name, t, _ in direct_tensors(m):
             n = 1
             for d in _full_shape(m, name, t):
                 n *= d
@@ -52,7 +56,7 @@ def _subtree_elements(module: nn.Module) -> int:
 
 def _has_meta(module: nn.Module, recurse: bool) -> bool:
     mods = module.modules() if recurse else [module]
-    return any(t.device.type == "meta" for m in mods for _, t, _ in _direct_tensors(m))
+    return any(t.device.type == "meta" for m in mods for _, t, _ in direct_tensors(m))
 
 
 def _init_units(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module, bool]]:
@@ -134,22 +138,6 @@ def _unwritten(full: torch.Tensor, sentinel: float | int) -> bool:
     return bool(full.isnan().any() if isinstance(sentinel, float) else (full == sentinel).any())
 
 
-INIT_OWNERS_ATTR = "_slapo_init_owners"
-
-
-def record_init_owners(model: nn.Module) -> None:
-    """Remember which module initialises each tensor, before modules are removed from ``model``.
-
-    A pipeline stage drops the modules of other stages; a tensor tied across stages (GPT-2's
-    embedding and LM head) must still be initialised by the module that initialises it in the full
-    model, or the stages would start from different weights.
-    """
-    owners: dict[int, tuple[str, nn.Module, str]] = model.__dict__.setdefault(INIT_OWNERS_ATTR, {})
-    for path, m in model.named_modules():
-        for name, t, _ in _direct_tensors(m):
-            owners.setdefault(id(t), (path, m, name))
-
-
 @torch.no_grad()
 def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str | None = None,
                 init_weights: InitWeights | None = None) -> nn.Module:
@@ -172,7 +160,7 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
     owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}
     canonical: dict[int, tuple[str, nn.Module, str]] = dict(model.__dict__.get(INIT_OWNERS_ATTR, {}))
     for path, m in model.named_modules():
-        for name, t, is_param in _direct_tensors(m):
+        for name, t, is_param in direct_tensors(m):
             owners.setdefault(id(t), []).append((m, name, is_param))
             canonical.setdefault(id(t), (path, m, name))
     present = {id(m) for m in model.modules()}
@@ -199,7 +187,7 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
         detached: list[tuple[str, nn.Module]] = []
         composite: dict[int, list[torch.Tensor]] = {}
         for _, m in modules:
-            for name, t, is_param in _direct_tensors(m):
+            for name, t, is_param in direct_tensors(m):
                 shape = _full_shape(m, name, t)
                 owner_path, owner, owner_name = canonical[id(t)]
                 parts = m.__dict__.get(INIT_PARTS, {}).get(name)
@@ -233,7 +221,7 @@ def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str |
         for tid, pieces in composite.items():
             kept[tid] = torch.cat(pieces, dim=0)
         for path, m in modules:
-            for name, t, is_param in list(_direct_tensors(m)):
+            for name, t, is_param in list(direct_tensors(m)):
                 if id(t) not in kept:
                     continue
                 full = kept.pop(id(t))
@@ -297,18 +285,6 @@ def build(
     a schedule cut into ``pp * vpp`` stages gives each rank ``vpp`` of them, interleaved
     (:class:`~slapo_tune._pipeline.VirtualStages`).
     """
-    from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
-    from ._pipeline import (
-        StageInfo,
-        StageModule,
-        VirtualStages,
-        make_stage,
-        plan_stages,
-        set_compute_dtype,
-        structural_copy,
-    )
-    from .precision import MasterWeights
-    from .precision import precision as precision_named
 
     if not isinstance(sch, Schedule):
         raise ScheduleError(f"build(): expected a Schedule from create_schedule(), got {type(sch).__name__}")

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._patterns import NormalForm, has_normal_form, normal_form
-from ._schedule import INIT_PARTS, ModuleState, checkpointed_call, state_of
 from ._sharding import is_conv1d
+from ._state import INIT_PARTS, ModuleState, checkpointed_call, state_of
 from .errors import PatternError, ScheduleError, TraceError
 
 
@@ -126,15 +126,11 @@ class _PatternTracer(_Tracer):
 
 
 def trace_module(module: nn.Module, path: str, example_args: tuple | None = None,
-                 example_kwargs: dict | None = None, leaf_types: tuple[type, ...] = (), **levels) -> fx.GraphModule:
-    """A GraphModule computing what ``module`` computes (parameters shared, not copied).
-    ``levels``: Slapo's tracing options (:func:`slapo_tune._tracing.trace_levels`)."""
+                 example_kwargs: dict | None = None, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
+    """A GraphModule computing what ``module`` computes (parameters shared, not copied). (Slapo's
+    tracing, level by level: :func:`slapo_tune._tracing.trace_levels`.)"""
     if isinstance(module, fx.GraphModule):
         raise TraceError(f"trace('{path}'): already traced")
-    if levels:
-        from ._tracing import trace_levels
-
-        return trace_levels(module, path, leaf_types=leaf_types, **levels)
     try:
         graph = _Tracer(leaf_types).trace(module)
         gm = fx.GraphModule(module, graph, type(module).__name__)

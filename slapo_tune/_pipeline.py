@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from . import _comm
-from ._build import _direct_tensors, record_init_owners
 from ._context_parallel import chunk_positions
-from ._schedule import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, Schedule, state_of
+from ._schedule import Schedule, cut_nodes
+from ._state import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, direct_tensors, record_init_owners
 from .errors import PipelineError
 
 
@@ -47,10 +47,6 @@ class StagePlan:
 
     def block_path(self, index: int) -> str:
         return f"{self.blocks_path}.{self.block_names[index]}"
-
-
-def cut_nodes(sch: Schedule) -> list[Schedule]:
-    return [node for _, node in sch.named_schedules() if getattr(state_of(node.mod), "cut_after", False)]
 
 
 def plan_stages(sch: Schedule) -> StagePlan | None:
@@ -72,31 +68,6 @@ def plan_stages(sch: Schedule) -> StagePlan | None:
         start = i + 1
     stages.append((start, len(names) - 1))
     return StagePlan(parent.path, names, stages)
-
-
-def check_cut(node: Schedule) -> None:
-    """Refuse a cut that cannot define stages (raised by ``Schedule.cut_pipeline_stage``)."""
-    if node.parent is None:
-        raise PipelineError("cut_pipeline_stage(): cannot cut at the root; cut after a block of the block list")
-    if not isinstance(node.parent.mod, nn.ModuleList):
-        raise PipelineError(
-            f"cut_pipeline_stage('{node.path}'): stages end after a block of a repeated block list "
-            f"(nn.ModuleList), but '{node.parent.path}' is a {type(node.parent.mod).__name__}"
-        )
-    st = state_of(node.mod)
-    if st is not None and getattr(st, "cut_after", False):
-        raise PipelineError(f"cut_pipeline_stage('{node.path}'): already cut here")
-    others = [n for n in cut_nodes(node.root) if n.parent is not node.parent]
-    if others:
-        raise PipelineError(
-            f"cut_pipeline_stage('{node.path}'): all cuts must be in one block list, "
-            f"but '{others[0].path}' is already cut"
-        )
-    names = list(node.parent.child)
-    if names.index(node.name) == len(names) - 1:
-        raise PipelineError(
-            f"cut_pipeline_stage('{node.path}'): a cut after the last block leaves the last stage with no blocks"
-        )
 
 
 class _StageExit(Exception):  # noqa: N818 - control flow, not an error
@@ -319,7 +290,7 @@ def structural_copy(model: nn.Module) -> nn.Module:
 
     from torch import fx
 
-    memo = {id(t): t for m in model.modules() for _, t, _ in _direct_tensors(m)}
+    memo = {id(t): t for m in model.modules() for _, t, _ in direct_tensors(m)}
     clone = copy.deepcopy(model, memo)
     # A GraphModule's deepcopy rebuilds it from its graph, dropping what the schedule stored on it
     # (its state, patched forward, hooks, the module it was traced from); its deep-copied __dict__

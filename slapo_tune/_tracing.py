@@ -29,7 +29,7 @@ from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
 
 from ._graph import _Tracer
-from ._schedule import _HOOK_DICTS, TRACED_FROM
+from ._state import _HOOK_DICTS, TRACED_FROM
 from .errors import TraceError
 
 EXAMPLE_VALUE = "slapo_example_value"  # node.meta key: the node's value for the example inputs
@@ -383,6 +383,8 @@ def trace_levels(module: nn.Module, path: str, *, leaf_types: tuple[type, ...] =
     with ``recursive``, are traced in turn into their own GraphModules (a child that cannot be
     traced stays as it is, as under Slapo). ``examples``: fake example inputs by parameter name
     (default: made from the signature and config when symbolic tracing fails)."""
+    if isinstance(module, fx.GraphModule):
+        raise TraceError(f"trace('{path}'): already traced")
     fake_mode = _fake_mode()
     if examples is not None:  # given tensors, on the module's device (meta for a model built empty)
         device = _placement(module)[0]

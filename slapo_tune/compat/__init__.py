@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .. import _graph, _schedule, _tracing, op  # noqa: F401  (op: Slapo's slapo.op)
+from .. import _graph, _schedule, _state, _tracing, op  # noqa: F401  (op: Slapo's slapo.op)
 from .._build import build as _build
 from .._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
 from .._verify import VerifyReport
@@ -366,7 +366,7 @@ class Verify(contextlib.ContextDecorator):
 def checkpoint(function: Callable, *args, **kwargs):
     """Slapo's ``checkpoint``: ``function(*args, **kwargs)`` with activation checkpointing (the RNG
     state replayed, keyword inputs allowed)."""
-    return _schedule.checkpointed_call(function, "full", *args, **kwargs)
+    return _state.checkpointed_call(function, "full", *args, **kwargs)
 
 
 @contextlib.contextmanager

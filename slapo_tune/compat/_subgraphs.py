@@ -28,7 +28,7 @@ import torch
 from torch import fx, nn
 
 from .. import _graph
-from .._schedule import checkpointed_call, copy_hooks
+from .._state import checkpointed_call, copy_hooks
 from ..errors import PatternError, ScheduleError
 
 
