@@ -21,15 +21,18 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .. import _graph, _schedule, _state, _tracing, op  # noqa: F401  (op: Slapo's slapo.op)
+from .. import _graph, _schedule, _state, _tracing  # noqa: F401
 from .._build import build as _build
 from .._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
 from .._verify import VerifyReport
 from .._verify import verify as _verify
 from ..errors import ScheduleError, VerificationError
-from . import _subgraphs
+from . import _subgraphs, op  # noqa: F401  (op: Slapo's slapo.op)
+from ._metadata import ScheduleMetadata, metadata_of, tag_parameters
 from ._subgraphs import Subgraph
+from .logger import get_logger  # noqa: F401  (re-exported, as Slapo's slapo.get_logger)
 from .pattern import Pattern, call_module  # noqa: F401  (re-exported, as Slapo's slapo.Pattern)
+from .random import get_cuda_rng_tracker, is_random_seed_set, set_random_seed, tracker_aware  # noqa: F401
 
 # Slapo's resharding schemes over the last two axes (R: replicated, S: sharded) -> (op, axis, join axis)
 RESHARD: dict[str, tuple[str | None, int, int | None]] = {
@@ -82,6 +85,11 @@ class Schedule:
     def world_size(self) -> int:
         return self._node.world_size
 
+    @property
+    def metadata(self) -> ScheduleMetadata:
+        """Slapo's ``tie_weights`` and ``param_tags``, read from the whole model."""
+        return metadata_of(self._root.mod)
+
     def __getitem__(self, path: str) -> Schedule:
         full = f"{self.path}.{path}" if self.path and path else (path or self.path)
         self._root[full]  # noqa: B018 - raises ScheduleKeyError (a KeyError) naming the closest paths
@@ -111,8 +119,21 @@ class Schedule:
 
     # ------------------------------------------------------------ primitives
     def shard(self, tensor_name: str, axis: int, *, num_fused: int | Sequence[int] = 1) -> None:
-        """Slapo's ``shard``; ``num_fused`` (slapo-tune's) shards a fused QKV block by block."""
-        self._node.shard(tensor_name, axis, num_fused=num_fused)
+        """Slapo's ``shard``; ``num_fused`` (slapo-tune's) shards a fused QKV block by block. A
+        parameter records its full shape as ``orig_shape``. A parameter tied to one already
+        sharded along the same axis is left as it is: it is that sharded parameter (Slapo
+        re-tied it here)."""
+        node = self._node
+        param = node.mod._parameters.get(tensor_name)
+        state = state_of(node.mod)
+        spec = state.shards.get(tensor_name) if state is not None else None
+        if (param is not None and spec is not None and spec.axis == axis % param.dim()
+                and len(node._owners(param)) > 1):
+            return
+        node.shard(tensor_name, axis, num_fused=num_fused)
+        if param is not None:
+            node.annotate(tensor_name, "orig_shape", torch.Size(param.shape))
+            tag_parameters(node.mod)
 
     def sync(self, mode: str, sync_op_or_fn: str | Callable, **kwargs) -> None:
         """Slapo's ``sync``: an op name (``axis`` defaults to 0; ``all_gather`` reduce-scatters its
@@ -267,7 +288,9 @@ class Schedule:
         self._node.cut_pipeline_stage()
 
     def annotate(self, param_name: str, key: str, value: Any) -> None:
+        """Slapo's ``annotate``: the parameter carries ``value`` as attribute ``key`` now and after ``build``."""
         self._node.annotate(param_name, key, value)
+        tag_parameters(self.mod)
 
     def fork_rng(self) -> None:
         self._node.fork_rng()
@@ -297,6 +320,7 @@ def build(sch: Schedule, target: str | None = None, init_weights: bool | Callabl
         raise ScheduleError("build(optimizer=...): pass a factory (e.g. torch.optim.AdamW); an optimizer made "
                             "before build holds the unsharded, unmaterialised parameters")
     model = _build(sch._root, init_weights=init_weights if callable(init_weights) else None, **kwargs)
+    tag_parameters(model)
     return model, (optimizer(model.parameters()) if optimizer is not None else None)
 
 
@@ -365,8 +389,8 @@ class Verify(contextlib.ContextDecorator):
 
 def checkpoint(function: Callable, *args, **kwargs):
     """Slapo's ``checkpoint``: ``function(*args, **kwargs)`` with activation checkpointing (the RNG
-    state replayed, keyword inputs allowed)."""
-    return _state.checkpointed_call(function, "full", *args, **kwargs)
+    states replayed, those of ``get_cuda_rng_tracker()`` included; keyword inputs allowed)."""
+    return _state.checkpointed_call(tracker_aware(function), "full", *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -377,5 +401,6 @@ def init_empty_weights(enable: bool = True) -> Iterator[None]:
         yield
 
 
-__all__ = ["RESHARD", "Pattern", "Schedule", "Subgraph", "Verify", "build", "call_module", "checkpoint",
-           "create_schedule", "init_empty_weights", "list_primitives", "op", "register_primitive"]
+__all__ = ["RESHARD", "Pattern", "Schedule", "ScheduleMetadata", "Subgraph", "Verify", "build", "call_module",
+           "checkpoint", "create_schedule", "get_cuda_rng_tracker", "get_logger", "init_empty_weights",
+           "is_random_seed_set", "list_primitives", "op", "register_primitive", "set_random_seed"]

@@ -1,0 +1,1 @@
+"""Slapo's ``slapo.model_schedule``: helpers its model schedules use (:mod:`.gpt2`)."""

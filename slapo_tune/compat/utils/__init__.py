@@ -1,0 +1,1 @@
+"""Slapo's ``slapo.utils``: :mod:`.common` (module hooks) and :mod:`.report` (memory)."""
