@@ -8,8 +8,10 @@ temporary folder and ports them with device, backend and import edits only:
   registers ``slapo_tune.compat`` and each of its submodules under Slapo's names);
 - ``.cuda(...)`` is dropped, ``torch.cuda.set_device``/``synchronize``/``empty_cache`` do
   nothing, ``"cuda..."`` devices are ``"cpu"``, ``"nccl"`` is ``"gloo"``, CUDA events time with
-  the wall clock and ``torch.cuda.device_count()`` is the world size; the ``mock`` package Slapo's
-  tests import is the standard library's ``unittest.mock``;
+  the wall clock and ``torch.cuda.device_count()`` is the world size, a rank given as a device
+  (``device=sch.rank``, a GPU's index) is ``"cpu"``, fp16 (``.half()``, ``torch.float16``: a
+  GPU's arithmetic, emulated on a CPU) is fp32; the ``mock`` package Slapo's tests import is the
+  standard library's ``unittest.mock``;
 - the Hugging Face configs the tests load by name (``AutoConfig.from_pretrained("bert-base-uncased")``)
   come from local ``config.json`` files written here (nothing is downloaded).
 
@@ -169,6 +171,7 @@ def nothing(*args, **kwargs):
 
 _CUDA_CALL = re.compile(r"\.cuda\((?:[^()]|\([^()]*\))*\)")
 _CUDA_DEVICE = re.compile(r"""f?(["'])cuda(?::[^"']*)?\1""")
+_RANK_DEVICE = re.compile(r"device=(?:\w+\.)*\w*rank\w*(?:\(\))?")
 
 
 def port_source(text: str) -> str:
@@ -180,6 +183,10 @@ def port_source(text: str) -> str:
     text = text.replace("torch.cuda.Event(", '__import__("slapo_port").CpuEvent(')
     text = text.replace("torch.cuda.device_count()", '__import__("slapo_port").device_count()')
     text = _CUDA_DEVICE.sub('"cpu"', text)
+    text = _RANK_DEVICE.sub('device="cpu"', text)  # a rank as a device is a GPU's index
+    # half precision is a GPU's: a CPU has no fp16 arithmetic (emulated, about 0.1 GFLOP/s here,
+    # hours for one of Slapo's fp16 MLPs), so fp16 tensors and modules are fp32's on CPU ranks
+    text = text.replace(".half()", ".float()").replace("torch.float16", "torch.float32")
     text = re.sub(r"""(["'])nccl\1""", '"gloo"', text)
     text = re.sub(r"^from mock import", "from unittest.mock import", text, flags=re.M)  # Slapo's test dependency
     for name in HF_CONFIGS:

@@ -27,6 +27,7 @@ def test_the_port_edits_devices_backends_and_downloads_only():
         config = AutoConfig.from_pretrained("bert-large-uncased")
         start = torch.cuda.Event(enable_timing=True); n = torch.cuda.device_count()
         assert model(x) == 1  # cuda in a comment stays
+        ids = torch.ones(2, 4, dtype=torch.long, device=sch.rank); mlp = mlp.half(); h = torch.randn(3, dtype=torch.float16)
         ''')
     ported = port_source(source)
     assert ".cuda(" not in ported and "nccl" not in ported and '"cuda' not in ported
@@ -34,6 +35,7 @@ def test_the_port_edits_devices_backends_and_downloads_only():
     assert 'device="cpu"' in ported and 'x.to("cpu")' in ported
     assert 'config_path("bert-large-uncased")' in ported and "CpuEvent(enable_timing=True)" in ported
     assert "assert model(x) == 1  # cuda in a comment stays" in ported
+    assert 'dtype=torch.long, device="cpu")' in ported and "mlp.float()" in ported and "dtype=torch.float32" in ported
     compile(ported, "ported", "exec")
 
 
