@@ -57,7 +57,8 @@ def test_every_trial_failing_exits_3_with_one_line_naming_the_most_common_failur
     code, stdout, err = _run(capsys, "tune", *SMALL, "--knobs", "micro_batch=1", "--space", "_fault_templates:Raises",
                              "--trials", "1", "--quiet", "--out", str(out))
     assert code == EXIT_NO_RESULT and stdout == ""
-    assert err[1:] == [f"slapo-tune: no result: every trial failed, 1 launched (1 crash); most common: 1 crash "
+    said = [line for line in err if not line.startswith("  ")]  # (the run's header wraps onto indented lines)
+    assert said[1:] == [f"slapo-tune: no result: every trial failed, 1 launched (1 crash); most common: 1 crash "
                        f"(rank 1 raised RuntimeError: injected failure in block 0) (stopped: --trials spent); "
                        f"each point's outcome is in {out / 'trials.csv'}"], err
     code, stdout, _ = _run(capsys, "show", str(out))

@@ -133,10 +133,12 @@ def test_the_cost_model_counts_a_vocab_slice_of_the_logits():
     head_backward = 2 * tokens * hidden * 2 + vocab // 8 * hidden * 2
     assert on["logits_grad"] == tokens * vocab // 8 * 2 + head_backward
     # time: the head's all-gather of the logits (bf16, over 8 ranks) is gone, three fp32 numbers
-    # per token all-reduced instead
+    # per token all-reduced instead (NCCL's ring or tree, whichever is faster)
     t_off, t_on = (model.time({**point, "loss_parallel": lp}).breakdown["tp_comm"] for lp in ("off", "on"))
-    saved = 7 * gpu.latency + 7 / 8 * tokens * vocab * 2 / gpu.bandwidth(8, False)
-    assert t_off - t_on == pytest.approx(saved - 3 * (14 * gpu.latency + 14 / 8 * tokens * 4 / gpu.bandwidth(8, False)))
+    bw = gpu.bandwidth(8, False)
+    saved = 7 * gpu.latency + 7 / 8 * tokens * vocab * 2 / bw
+    all_reduce = min(14 * gpu.latency + 14 / 8 * tokens * 4 / bw, 6 * gpu.latency + 2 * tokens * 4 / bw)
+    assert t_off - t_on == pytest.approx(saved - 3 * all_reduce)
 
 
 def test_measured_peaks_world4_exact_and_analytic():
