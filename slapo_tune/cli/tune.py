@@ -184,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
                       f"strategy {config.strategy}", f"{config.trials} trial(s)",
                       f"{cluster.runner.concurrency} in flight", cluster.describe(),
                       f"study '{tuner.study.study_name}' in {storage_shown}"]
-            print("\n".join(wrapped(header, width=view.width)), file=sys.stderr, flush=True)
+            # broken at spaces (the cluster's description is longer than a line)
+            print("\n".join(wrapped(", ".join(header), then="  ", width=view.width)), file=sys.stderr, flush=True)
         with view:
             summary = tuner.run()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (see ._signals)
