@@ -74,7 +74,8 @@ class GenericDecoderTemplate(Template):
                 f"generic template: cannot find the attention and MLP modules in '{blocks}.0' "
                 f"(children: {', '.join(n for n, _ in first.named_children())}); write a template"
             )
-        from ._shape_walk import shape_walk  # torch-free: plan, space and every --help import this module
+        # torch-free: plan, space and every --help import this module; _shape_walk imports torch
+        from ._shape_walk import shape_walk
 
         plan: dict = {}
         order, fused_parts = shape_walk(model, f"{blocks}.0")

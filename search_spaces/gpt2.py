@@ -37,7 +37,8 @@ class GPT2Template(Template):
     def fuse(self, sch, model) -> None:
         import torch
 
-        from slapo_tune._graph import bias_then  # torch-free: plan, space and every --help import this module
+        # torch-free: plan, space and every --help import this module; _graph imports torch
+        from slapo_tune._graph import bias_then
 
         compiler = "inductor" if torch.cuda.is_available() else "eager"
         for block in self.block_nodes(sch):

@@ -282,7 +282,8 @@ class Template:
 
     def schedule(self, model: nn.Module, point: Mapping[str, Any], topology=None) -> Schedule:
         """A schedule of ``model`` for ``point`` over ``topology``'s tensor-parallel group."""
-        from ._schedule import create_schedule  # torch-free: plan, space and every --help import this module
+        # torch-free: plan, space and every --help import this module; _schedule imports torch
+        from ._schedule import create_schedule
 
         sch = create_schedule(model, group=None if topology is None else topology.tp_group)
         self.apply(sch, point)

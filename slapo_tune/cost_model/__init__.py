@@ -64,7 +64,8 @@ _TRACKER = ("MemoryBreakdown", "PeakTracker", "tracked_step")
 def __getattr__(name: str):
     if name not in _TRACKER:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import _tracker  # torch-free: see _TRACKER
+    # torch-free: plan and every --help import this module; _tracker imports torch
+    from . import _tracker
 
     return getattr(_tracker, name)
 

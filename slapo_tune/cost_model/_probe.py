@@ -160,7 +160,8 @@ def _block_bytes(model, block, seq: int, autocast, alive: bool, output: bool, wh
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from .exact import fake_mask_decisions  # torch-free: plan and every --help import this module
+    # torch-free: plan and every --help import this module; .exact imports torch
+    from .exact import fake_mask_decisions
 
     params = {id(p.untyped_storage()) for p in model.parameters()}
     # and buffers, autocast's copies of the parameters, and the block's output unless counted
