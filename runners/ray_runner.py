@@ -26,7 +26,15 @@ from typing import Any
 
 from slapo_tune.device import NCCL_ENV, collective_timeout, default_concurrency, device_setup
 from slapo_tune.errors import UsageError
-from slapo_tune.launch import INTERFACE_VARIABLES, RankFailure
+from slapo_tune.launch import (
+    FAILURE_GRACE,
+    INTERFACE_VARIABLES,
+    RankContext,
+    RankFailure,
+    describe_exception,
+    first_failure,
+    is_peer_error,
+)
 from slapo_tune.plan import TrialStatus, short_name
 
 from ._base import Runner
@@ -138,8 +146,6 @@ class _RankActor:
 
         import torch
         import torch.distributed as dist
-
-        from slapo_tune.launch import RankContext, describe_exception
 
         try:
             import ray
@@ -293,8 +299,6 @@ class RayRunner(Runner):
         FAILURE_GRACE; while every failure so far is a peer's error (a rank whose collective lost
         its partner), for LOST_RANK_GRACE: Ray reports a rank whose node died only when its health
         checks give up, well after the peers' "connection closed"."""
-        from slapo_tune.launch import FAILURE_GRACE, first_failure, is_peer_error
-
         if ray is None:
             import ray
 

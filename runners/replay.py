@@ -10,7 +10,7 @@ from slapo_tune.plan import TrialStatus
 from slapo_tune.space import point_key
 
 from ._base import Runner
-from .trial import TrialResult, TrialSpec
+from .trial import TrialResult, TrialSpec, resolve
 
 
 class ReplayRunner(Runner):
@@ -31,8 +31,6 @@ class ReplayRunner(Runner):
         raise NotImplementedError  # run() is overridden: nothing is executed
 
     def run(self, spec: TrialSpec) -> TrialResult:
-        from .trial import resolve
-
         _, point = resolve(spec)
         if spec.confirm_round:
             self.remeasured.append((point, spec.confirm_round))

@@ -18,10 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from slapo_tune.launch import OOM_TYPES
+from slapo_tune.launch import OOM_TYPES, peak_rss_bytes, usable_cores
 from slapo_tune.plan import TrialStatus
 from slapo_tune.problem import ProblemSpec
-from slapo_tune.session import WAIT_LIMIT
+from slapo_tune.session import WAIT_LIMIT, Session
 
 SPREAD_LIMIT = 0.25  # (p75 - p25) / median above which a trial's timing is flagged
 
@@ -103,9 +103,6 @@ class TrialResult:
 def trial_rank(ctx, spec: TrialSpec, point: dict[str, Any]) -> dict[str, Any]:
     """Rank function of a trial (run under :func:`slapo_tune.launch.launch` or a Ray rank actor)."""
     import torch
-
-    from slapo_tune.launch import peak_rss_bytes, usable_cores
-    from slapo_tune.session import Session
 
     started = time.time()
     budget = spec.problem.memory_budget

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from slapo_tune._comm import communication_disabled
 from slapo_tune._pipeline import _recorded_calls
 
 
@@ -63,8 +64,6 @@ def shape_walk(model: nn.Module, prefix: str) -> tuple[list[str], dict[str, Feat
     each whose output's first use cuts its features into parts (a fused projection: Q|K|V,
     gate|up), how it does."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from slapo_tune._comm import communication_disabled
 
     linears = {p: m for p, m in model.named_modules() if isinstance(m, nn.Linear) and p.startswith(prefix + ".")}
     uses = _FirstUses()

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from slapo_tune.errors import ScheduleError
+from slapo_tune.models import config_fingerprint, model_from_config
 from slapo_tune.styles import Colwise, DivideAttr, ReduceInputGrad, Rowwise, Unshardable, VocabParallel
 from slapo_tune.template import Template
 
@@ -50,6 +51,7 @@ class GenericDecoderTemplate(Template):
     families = ()
 
     def blocks_path(self, model: nn.Module) -> str:
+        # torch-free: plan, space and every --help import this module; _data_parallel imports torch
         from slapo_tune._data_parallel import largest_module_list
 
         found = largest_module_list(model)
@@ -72,6 +74,7 @@ class GenericDecoderTemplate(Template):
                 f"generic template: cannot find the attention and MLP modules in '{blocks}.0' "
                 f"(children: {', '.join(n for n, _ in first.named_children())}); write a template"
             )
+        # torch-free: plan, space and every --help import this module; _shape_walk imports torch
         from ._shape_walk import shape_walk
 
         plan: dict = {}
@@ -107,12 +110,8 @@ class GenericDecoderTemplate(Template):
 
 def _tp_refusal(template: GenericDecoderTemplate, config) -> str:
     """The reasons the plan of ``config``'s model (built on the meta device) cannot be sharded."""
-    from slapo_tune.models import config_fingerprint
-
     key = config_fingerprint(config)
     if key not in _REFUSALS:
-        from slapo_tune.models import model_from_config
-
         try:
             plan = template.plan(model_from_config(config, device="meta"))
         except Exception:  # noqa: BLE001 - no plan at all: applying the template says why, with the path

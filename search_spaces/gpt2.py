@@ -37,6 +37,7 @@ class GPT2Template(Template):
     def fuse(self, sch, model) -> None:
         import torch
 
+        # torch-free: plan, space and every --help import this module; _graph imports torch
         from slapo_tune._graph import bias_then
 
         compiler = "inductor" if torch.cuda.is_available() else "eager"

@@ -20,8 +20,11 @@ from torch import nn
 
 from ._build import build, materialize
 from ._comm import all_gather_tensor
+from ._graph import FUSED_FROM
+from ._pipeline import StageModule, VirtualStages
 from ._schedule import Schedule, state_of
 from .errors import VerificationError
+from .runtime import TrainStep
 
 DEFAULT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-7, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # A training step against the fp32 reference, by the dtype it computes in. bf16 rounding of the
@@ -205,8 +208,6 @@ def _reference_gradient(model: nn.Module, name: str, ref_params: dict[str, torch
                         ) -> tuple[torch.Tensor | None, list[str]]:
     """The reference's gradient for ``name`` and the reference names it stands for; for a
     horizontally fused parameter, the gradients of the parameters it was fused from, concatenated."""
-    from ._graph import FUSED_FROM
-
     ref = ref_params.get(name)
     if ref is not None:
         return ref.grad, [name]
@@ -300,11 +301,8 @@ def verify(
     """
     if isinstance(model, Schedule):
         model = build(model, seed=seed, init_weights=init_weights)
-    from ._pipeline import StageModule, VirtualStages
 
     if isinstance(model, StageModule | VirtualStages):
-        from .runtime import TrainStep
-
         step = step or TrainStep(model, n_microbatches=n_microbatches, schedule=pipeline_schedule)
         return _verify_stage(model, reference, inputs, step, tolerance=tolerance, seed=seed,
                              deterministic=deterministic, raise_on_failure=raise_on_failure)

@@ -16,8 +16,11 @@ from typing import Any
 
 from torch import nn
 
+from search_spaces import recorded_template
+
+from ._partition import rank_block_counts
 from .errors import ModelMismatchError, UsageError
-from .models import ModelSpec
+from .models import ModelSpec, config_fingerprint
 from .plan import Plan, Workload, knob_value
 from .problem import Problem, ProblemSpec
 from .schedule_file import read_schedule, validate
@@ -69,10 +72,6 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
     before it runs), or ``template``, a template object the caller loaded. Every problem is a
     :class:`UsageError` of one line.
     """
-    from search_spaces import recorded_template
-
-    from .models import config_fingerprint
-
     if isinstance(source, Mapping):
         where = "schedule"
         data = validate(dict(source), where)
@@ -135,8 +134,6 @@ def load_schedule(source: str | os.PathLike | Mapping[str, Any], *, model: str |
                              f"{getattr(plan, name)})")
     recorded_blocks = data["layout"].get("stage_blocks")
     if recorded_blocks is not None:  # files from before uneven stages: none (their even cuts are unchanged)
-        from ._partition import rank_block_counts
-
         cut = rank_block_counts(problem.info.layers, plan.pp, knob_value(plan, "vpp"))
         if recorded_blocks != cut:
             raise UsageError(f"{where}: the schedule's pipeline stages hold {recorded_blocks} blocks but this "
@@ -157,8 +154,6 @@ def check_model(model: nn.Module, loaded: LoadedSchedule) -> None:
     """Refuse, in one line naming both config fingerprints, a model instance that is not the model
     ``loaded`` schedules (the file's, or the one ``load_schedule(model=...)`` named): the schedule
     would otherwise fail deep inside its template, on a module path the model does not have."""
-    from .models import config_fingerprint
-
     config = getattr(model, "config", None)
     actual = config_fingerprint(config) if config is not None and hasattr(config, "to_dict") else None
     expected = config_fingerprint(loaded.problem.config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._verify import verify
 from .errors import VerificationError
 from .problem import ProblemSpec
 from .session import Session
@@ -13,8 +14,6 @@ from .template import set_attention
 
 def verify_point(ctx, spec: ProblemSpec, knobs: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
     """Verify one schedule point against the unscheduled model on this rank; returns a summary."""
-    from ._verify import verify
-
     problem = spec.resolve()
     plan = problem.plan(knobs)
     session = Session(problem, plan, seed=seed, device=ctx.device)

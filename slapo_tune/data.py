@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UsageError
+
 
 def synthetic_batch(vocab_size: int, global_batch: int, seq_len: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """A global batch of random token ids (the same on every rank for a given seed)."""
@@ -51,8 +53,6 @@ def _load_tokens(path: str, vocab_size: int, seq_len: int) -> torch.Tensor:
     from pathlib import Path
 
     import numpy as np
-
-    from .errors import UsageError
 
     file = Path(path)
     if not file.is_file():

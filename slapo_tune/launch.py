@@ -28,6 +28,7 @@ from datetime import timedelta
 from multiprocessing import connection, get_all_start_methods, get_context
 from typing import Any
 
+from ._owned import remove_orphans, tag_as_mine
 from .device import auto_setup, collective_timeout, device_setup, rank_environment, split_gpus, usable_cores
 from .errors import SlapoTuneError
 
@@ -101,8 +102,6 @@ def multiprocessing_temp_dir() -> str:
     theirs (a SIGKILLed driver's: multiprocessing removes its own at a normal exit, SIGTERM
     included, see ``cli._signals``) are removed from beside it (:mod:`slapo_tune._owned`)."""
     from multiprocessing import util
-
-    from ._owned import remove_orphans, tag_as_mine
 
     tempdir = util.get_temp_dir()
     with _TAG_LOCK:

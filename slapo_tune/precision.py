@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import ScheduleError
+from .errors import ScheduleError, UsageError
 
 if TYPE_CHECKING:  # the modes are plain data (plan reads their sizes); torch only where they run
     import torch
@@ -139,8 +139,6 @@ def runnable(name: str, setup) -> None:
     """Refuse, in one line (a :class:`~slapo_tune.errors.UsageError`), a precision the runtime cannot
     run on ``setup`` (a :class:`~slapo_tune.device.DeviceSetup`): fp8 everywhere for now; on a device
     without FP8 tensor cores (a CPU, GPUs before Hopper and Ada) the line says that first."""
-    from .errors import UsageError
-
     if not precision(name).fp8:
         return
     if not setup.cuda or (setup.gpus and not any(fp8_gpu(g.name) for g in setup.gpus)):
@@ -170,6 +168,7 @@ def default_precision(device_type: str) -> str:
 def __getattr__(name: str):
     if name != "MasterWeights":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ._master_weights import MasterWeights  # noqa: F401  (re-exported below)
+    # torch-free: `import slapo_tune` imports this module (through plan); _master_weights imports torch
+    from ._master_weights import MasterWeights
 
     return MasterWeights

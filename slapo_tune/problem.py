@@ -13,10 +13,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from search_spaces import load_template, template_for
+
 from ._inputs import MAX_BATCH, MAX_SEQ_LEN, MAX_WORLD_SIZE
 from .errors import UsageError
 from .models import ModelSpec
 from .plan import Plan, Workload
+from .precision import precision
 from .space import Space, coerce, format_point, parse_knobs
 from .template import ModelInfo, Template
 
@@ -101,10 +104,6 @@ class ProblemSpec:
         """Load the config (unless given), pick the template (unless given: an object a caller
         loaded itself), fill the defaults, build the space; a problem without a single legal
         schedule is a :class:`UsageError`."""
-        from search_spaces import load_template, template_for
-
-        from .precision import precision
-
         for name, value, most in (("world size", self.world_size, MAX_WORLD_SIZE),
                                   ("global batch", self.global_batch, MAX_BATCH),
                                   ("sequence length", self.seq_len, MAX_SEQ_LEN)):

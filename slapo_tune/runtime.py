@@ -25,10 +25,16 @@ import torch.distributed as dist
 from . import _comm
 from ._context_parallel import context, context_shards, cp_loss_fn, split_sequence
 from ._data_parallel import average_gradients
+from ._partition import interleaved_microbatches_ok
 from ._pipeline import TRAIN_STEP, StageModule, VirtualStages
 from ._schedule import state_of
 from ._vocab_loss import loss_parallel, require_causal_lm_loss, shift_labels, vocab_parallel_cross_entropy
 from .errors import PipelineError, ScheduleError
+from .parallelize import (
+    reduce_sequence_partial_gradients,
+    sequence_parallel_activations,
+    sequence_partial_parameters,
+)
 from .precision import precision as precision_named
 
 # "zb": interleaved zero bubble (ZB1P, Qi et al. 2024): each backward split into the input gradient,
@@ -200,8 +206,6 @@ class TrainStep:
             raise ScheduleError("the zero-bubble schedule runs backward twice over a block (input, then weight "
                                 "gradients), which selective recomputation allows once; use ckpt_policy full")
         if len(model.chunks) > 1:
-            from ._partition import interleaved_microbatches_ok
-
             if schedule == "gpipe":
                 raise ScheduleError(f"an interleaved pipeline ({len(model.chunks)} stages per rank) runs interleaved "
                                     "1F1B or zero bubble (1f1b, zb); got pipeline schedule 'gpipe'")
@@ -381,8 +385,6 @@ class TrainStep:
 
     def _synchronised_by_step(self) -> bool:
         """Whether the step synchronises any gradient itself at pp=1 (FSDP's reductions are FSDP's)."""
-        from .parallelize import sequence_partial_parameters
-
         topo = self.topology
         return (topo.dp > 1 and not self.model.zero) or (topo.tp > 1 and bool(sequence_partial_parameters(self.model)))
 
@@ -488,8 +490,6 @@ class TrainStep:
         micro-batches' gradients to a gathered parameter FSDP has already reduced (measured: a
         q_proj gradient 66 % off at zero=3 with two micro-batches); it would also keep a 16-bit
         copy of every gathered parameter for the whole step."""
-        from .parallelize import sequence_parallel_activations
-
         stack = contextlib.ExitStack()
         topo = self.topology
         if topo.cp > 1:
@@ -507,8 +507,6 @@ class TrainStep:
         return master.master(param).grad if master is not None else param.grad
 
     def _sync_gradients(self) -> None:
-        from .parallelize import reduce_sequence_partial_gradients
-
         topo, info = self.topology, self.model.info
         if topo.pp > 1 and info.tied:
             for param in self.model.tied_parameters():

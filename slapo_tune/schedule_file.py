@@ -39,6 +39,7 @@ from ._atomic import atomic_write_text
 from ._inputs import MAX_BATCH, MAX_SEQ_LEN, MAX_WORLD_SIZE, parse_json, read_small_text
 from .errors import UsageError
 from .plan import Plan
+from .precision import LEGACY_DTYPES, PRECISIONS
 
 FORMAT = "slapo-tune-schedule"
 VERSION = 2
@@ -153,8 +154,6 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
         value = data.get("measured", {}).get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise UsageError(f"{where}: measured.{name} should be a number, got {type(value).__name__}")
-    from .precision import PRECISIONS
-
     if data["precision"] not in PRECISIONS:
         raise UsageError(f"{where}: precision {data['precision']!r} is not one of {', '.join(PRECISIONS)}")
     if data["device"] not in DEVICES:
@@ -169,8 +168,6 @@ def validate(data: Any, where: str = "schedule") -> dict[str, Any]:
 
 def _from_version_1(data: dict[str, Any], where: str) -> dict[str, Any]:
     """A version-1 schedule as version 2: its ``dtype`` is the precision it ran in."""
-    from .precision import LEGACY_DTYPES
-
     dtype = data.get("dtype")
     if not isinstance(dtype, str):
         raise UsageError(f"{where}: missing field 'dtype' (a version-1 schedule)")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._partition import CKPT_SPREAD, interleaved_microbatches_ok
 from .errors import ScheduleError
+from .models import model_family, supports_sdpa
 from .plan import Workload, accumulation, knob_value
 from .space import Knob, Point, Space, divisors
 
@@ -62,8 +63,6 @@ class ModelInfo:
 
     @classmethod
     def from_config(cls, config) -> ModelInfo:
-        from .models import model_family, supports_sdpa
-
         hidden = config.hidden_size
         inter = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
                  or getattr(config, "n_inner", None) or 4 * hidden)
@@ -134,6 +133,7 @@ class Template:
 
     def fuse(self, sch: Schedule, model: nn.Module) -> None:
         """Fuse sibling projections horizontally (``fuse=on``)."""
+        # torch-free: plan, space and every --help import this module; these import torch
         from ._graph import fuse_linears
         from .parallelize import glob_to_regex
 
@@ -242,7 +242,8 @@ class Template:
     # ------------------------------------------------------- applying points
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
-        from ._context_parallel import apply_context_parallel  # (torch: where a model is scheduled)
+        # torch-free: plan, space and every --help import this module; these import torch
+        from ._context_parallel import apply_context_parallel
         from ._vocab_loss import mark_loss_parallel
         from .parallelize import (
             apply_checkpointing,
@@ -281,6 +282,7 @@ class Template:
 
     def schedule(self, model: nn.Module, point: Mapping[str, Any], topology=None) -> Schedule:
         """A schedule of ``model`` for ``point`` over ``topology``'s tensor-parallel group."""
+        # torch-free: plan, space and every --help import this module; _schedule imports torch
         from ._schedule import create_schedule
 
         sch = create_schedule(model, group=None if topology is None else topology.tp_group)

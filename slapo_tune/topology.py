@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .errors import UsageError
+from .launch import loopback_environment
 
 
 @dataclass
@@ -88,8 +89,6 @@ def _ensure_process_group(device_type: str) -> None:
         # A single process still runs through the same distributed code path (groups of size 1).
         # It has no peer: gloo's listeners (this group's and the mesh's, which follow
         # GLOO_SOCKET_IFNAME, else the address the hostname resolves to) go on the loopback.
-        from .launch import loopback_environment
-
         os.environ.update(loopback_environment())
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -22,9 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .apply import apply_schedule, load_schedule
 from .checkpoint import latest_checkpoint
+from .data import TrainingData
 from .device import auto_setup, device_setup
 from .errors import UsageError
+from .launch import RankContext
+from .models import config_fingerprint, load_config, model_from_config
 
 log = logging.getLogger("slapo_tune")
 
@@ -108,8 +112,6 @@ def checkpoint_files(folder: str) -> list[Path]:
 def pretrained_model(folder: str, spec) -> torch.nn.Module:
     """``spec``'s model with the weights of a Hugging Face checkpoint folder (``save_pretrained``):
     built on the meta device, then every parameter assigned from the files, never initialised."""
-    from .models import model_from_config
-
     path = Path(folder)
     state: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(folder):
@@ -122,8 +124,6 @@ def pretrained_model(folder: str, spec) -> torch.nn.Module:
                 state.update(torch.load(file, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - a damaged file: one line
             raise UsageError(f"--init-from {folder}: cannot read {file.name}: {type(exc).__name__}: {exc}") from None
-    from .models import config_fingerprint, load_config
-
     if (path / "config.json").is_file():
         theirs, ours = config_fingerprint(load_config(path)), config_fingerprint(spec.config())
         if theirs != ours:
@@ -146,9 +146,6 @@ def pretrained_model(folder: str, spec) -> torch.nn.Module:
 # ------------------------------------------------------------------ the job
 def train_rank(ctx, config: TrainConfig) -> list[float]:
     """Train on this rank; returns the loss of every step run (rank 0 logs them)."""
-    from .apply import apply_schedule, load_schedule
-    from .data import TrainingData
-
     # set-up counts from the command's start (ranks spawned, libraries imported), else from here (torchrun)
     begun = time.monotonic() - (time.time() - config.started_at if config.started_at else 0.0)
     rank = dist.get_rank()
@@ -202,9 +199,6 @@ def under_torchrun() -> bool:
 
 def run_under_torchrun(config: TrainConfig) -> list[float]:
     """Each torchrun process: join the group from the environment, train, leave."""
-    from .apply import load_schedule
-    from .launch import RankContext
-
     world = int(os.environ["WORLD_SIZE"])
     load_schedule(config.schedule, model=config.model, world_size=world, space=config.space,
                   allow_model_mismatch=config.allow_model_mismatch)  # fail before joining the group

@@ -88,7 +88,7 @@ def test_plan_hardware_follows_the_visible_gpu_and_is_a100_without_one(capsys, m
 def test_tune_defaults_on_cuda(capsys, monkeypatch, fake_cuda, tmp_path):
     """``tune`` with CUDA present and nothing said: ranks on cuda, bf16, the GPU's preset for the
     cost model, the GPU's memory less the reserve as the budget, GPUs // world trials in flight."""
-    import slapo_tune.search as search
+    import slapo_tune.cli.tune as tune_command
 
     fake_cuda(8, H200)
     seen = {}
@@ -102,7 +102,7 @@ def test_tune_defaults_on_cuda(capsys, monkeypatch, fake_cuda, tmp_path):
             return {"stop": "trials", "launched": 0, "pruned": 0, "failed": 0, "infrastructure": 0, "duplicates": 0,
                     "best_point": None, "confirmed": None, "elapsed": 0.0}
 
-    monkeypatch.setattr(search, "Tuner", Tuner)
+    monkeypatch.setattr(tune_command, "Tuner", Tuner)
     # (the stand-in measures nothing: the command's code for a study without a result)
     assert main(["tune", "--world-size", "4", "--ray-address", "none", "--out", str(tmp_path / "o")]) == EXIT_NO_RESULT
     config = seen["config"]

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from slapo_tune import device, search
+from slapo_tune import device
 from slapo_tune.cli import EXIT_FAILED, EXIT_NO_RESULT, EXIT_USAGE, main
+from slapo_tune.cli import tune as tune_command
 from slapo_tune.search import _cluster
 
 TUNE = ["tune", "--ray-address", "none", "--model", "gpt2-tiny", "--global-batch", "8", "--seq-len", "32",
@@ -41,7 +42,7 @@ def test_a_cpu_world_larger_than_the_cores_is_refused_unless_insisted(capsys, tm
     """4 ranks on 2 usable cores: one line naming --oversubscribe, exit 2, before the tuner is made;
     with --oversubscribe it tunes, with one warning line; 2 ranks on 2 cores, no warning."""
     monkeypatch.setattr(device, "usable_cores", lambda: [0, 1])
-    monkeypatch.setattr(search, "Tuner", _StandInTuner)
+    monkeypatch.setattr(tune_command, "Tuner", _StandInTuner)
     _StandInTuner.made.clear()
     code = main([*TUNE, "--world-size", "4", "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err.splitlines()

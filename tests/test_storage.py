@@ -77,14 +77,14 @@ class _Captured(Exception):
 def captured_config(monkeypatch, tmp_path):
     """``config(*storage_args, env=None)``: the TuneConfig ``slapo-tune tune`` builds from the
     storage arguments (the storage not opened, no trial run)."""
-    import slapo_tune.search
+    import slapo_tune.cli.tune as tune_command
     from slapo_tune.search import _storage
 
     def fake_tuner(config, *args, **kwargs):
         raise _Captured(config)
 
-    monkeypatch.setattr(slapo_tune.search, "Tuner", fake_tuner)
-    monkeypatch.setattr(_storage, "check_storage", lambda url: None)
+    monkeypatch.setattr(tune_command, "Tuner", fake_tuner)
+    monkeypatch.setattr(tune_command, "check_storage", lambda url: None)
 
     def config(*storage_args, env=None):
         if env is None:

@@ -371,10 +371,10 @@ def _should_load(data, valid: dict) -> bool:
 def test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run(tmp_path, monkeypatch, capsys, edits, cut):
     """``slapo-tune train`` on an edited schedule file exits 2 with one line exactly when the file is
     not one it should run (by :func:`_should_load`), and starts the ranks (here: a stand-in) otherwise."""
-    import slapo_tune.launch
+    import slapo_tune.cli.train as train_command
 
     started = []
-    monkeypatch.setattr(slapo_tune.launch, "launch", lambda fn, world, **kw: started.append(world) or [[5.0]])
+    monkeypatch.setattr(train_command, "launch", lambda fn, world, **kw: started.append(world) or [[5.0]])
     knobs = {"tp": 2, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 2, "ckpt_ratio": 0.0, "pipeline_schedule": "1f1b",
              "attn": "sdpa", "fuse": "off"}
     valid = make_schedule(template={"name": "gpt2", "version": "1"}, plan=Plan.of(knobs, Workload(2, 8, 32)),

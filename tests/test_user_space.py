@@ -47,7 +47,7 @@ def test_the_readme_knob_is_tuned_exported_and_trained(tmp_path, capfd, monkeypa
     process of its own, loading the file by its path), the exported schedule names the file by
     path and SHA-256 (computed here with hashlib), ``train`` runs it (its one rank in this
     process), and refuses it in one line once the file changed or is gone."""
-    import slapo_tune.launch
+    import slapo_tune.cli.train as train_command
 
     code = _readme_space()
     assert len(code.strip().splitlines()) <= 30
@@ -73,7 +73,7 @@ def test_the_readme_knob_is_tuned_exported_and_trained(tmp_path, capfd, monkeypa
     assert f"was made with the template file {space.resolve()}, which is Python" in err
     assert f"pass --space {space.resolve()}" in err
     with monkeypatch.context() as patch:
-        patch.setattr(slapo_tune.launch, "launch", _in_process_launch)
+        patch.setattr(train_command, "launch", _in_process_launch)
         assert main(["train", "--schedule", str(out / "best_schedule.json"), "--space", str(space),
                      "--steps", "2"]) == 0
     assert re.search(r"^step 2/2 loss [0-9.]+", capfd.readouterr().out, re.M)
@@ -100,9 +100,9 @@ def _in_process_launch(fn, world_size, args=(), **_):
 
 @pytest.mark.parametrize("scale, code, verdict", [(1, 0, "verify: OK"), (2, 1, "verify: FAILED")])
 def test_verify_runs_the_files_schedule(tmp_path, capsys, monkeypatch, scale, code, verdict):
-    import slapo_tune.launch
+    import slapo_tune.cli.verify as verify_command
 
-    monkeypatch.setattr(slapo_tune.launch, "launch", _in_process_launch)
+    monkeypatch.setattr(verify_command, "launch", _in_process_launch)
     space = tmp_path / "doubled.py"
     space.write_text(DOUBLED)
     assert main(["verify", "--model", "llama-tiny", "--world-size", "1", "--global-batch", "2", "--seq-len", "16",

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from ..errors import SlapoTuneError, Terminated, UsageError
 from ._signals import sigterm_as_interrupt
 
@@ -33,8 +34,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     import importlib
-
-    from .. import __version__
 
     parser = _Parser(prog="slapo-tune", description="Autotune large-model training schedules.")
     parser.add_argument("--version", action="version", version=f"slapo-tune {__version__}")

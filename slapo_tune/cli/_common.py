@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from .._inputs import MAX_BATCH, MAX_COUNT, MAX_SEED, MAX_SEQ_LEN, MAX_WORLD_SIZE
+from ..cost_model import PRESETS, Hardware, hardware, hardware_for
+from ..device import DeviceSetup, device_setup
 from ..errors import UsageError
+from ..precision import PRECISIONS
 from ..problem import ProblemSpec
-
-if TYPE_CHECKING:
-    from ..cost_model import Hardware
-    from ..device import DeviceSetup
+from ..units import parse_duration
 
 DEVICE_HELP = "where ranks run: cpu or cuda (default: cuda when torch.cuda.is_available(), else cpu)"
 
@@ -66,8 +65,6 @@ def positive_float(most: float, what: str):
 
 def duration(text: str) -> float:
     """An argparse type: a positive duration as :func:`slapo_tune.units.parse_duration` reads it."""
-    from ..units import parse_duration
-
     try:
         return parse_duration(text)
     except UsageError as exc:
@@ -107,8 +104,6 @@ def add_space_argument(p: argparse.ArgumentParser, recorded_in: str = "study") -
 
 def add_precision_argument(p: argparse.ArgumentParser, default_help: str) -> None:
     """``--precision`` (see :mod:`slapo_tune.precision`)."""
-    from ..precision import PRECISIONS
-
     p.add_argument("--precision", choices=list(PRECISIONS), default=None,
                    help="; ".join(f"{name}: {prec.doc}" for name, prec in PRECISIONS.items()) + f" (default: {default_help})")
 
@@ -127,8 +122,6 @@ def add_device_argument(p: argparse.ArgumentParser, help_text: str = DEVICE_HELP
 
 def add_hardware_argument(p: argparse.ArgumentParser, default_help: str) -> None:
     """``--hardware``: the cost model's hardware preset (see :mod:`slapo_tune.cost_model.hardware`)."""
-    from ..cost_model import PRESETS
-
     p.add_argument("--hardware", default=None,
                    help=f"the cost model's hardware: cpu (this machine, measured), {', '.join(PRESETS)} "
                         f"(default: {default_help})")
@@ -137,9 +130,6 @@ def add_hardware_argument(p: argparse.ArgumentParser, default_help: str) -> None
 def device_of(requested: str | None, *, here: bool = True) -> DeviceSetup:
     """The :class:`~slapo_tune.device.DeviceSetup` of ``--device`` (``here``: the ranks run on this
     machine). A hardware preset there, the option's old meaning, is refused with the new spelling."""
-    from ..cost_model import PRESETS
-    from ..device import device_setup
-
     if requested in PRESETS:
         raise UsageError(f"--device {requested} is a hardware preset: use --hardware {requested} "
                          f"(--device is where ranks run: cpu or cuda)")
@@ -150,8 +140,6 @@ def hardware_of(args: argparse.Namespace, setup: DeviceSetup, fallback: str | No
     """The cost model's hardware: ``--hardware``, else the devices of ``setup``
     (:func:`~slapo_tune.cost_model.hardware.hardware_for`), else the preset ``fallback`` when no GPU
     is visible to detect it from; with one line saying which and why."""
-    from ..cost_model import hardware, hardware_for
-
     if args.hardware:
         return hardware(args.hardware), f"hardware {args.hardware} (--hardware)"
     if fallback and setup.cuda and not setup.gpus:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
+from ..device import device_setup
+from ..launch import launch
+from ..models import build_model
+from ..problem import ProblemSpec
+from . import EXIT_FAILED, EXIT_OK
 from ._common import world_size_int
-
-if TYPE_CHECKING:
-    from ..problem import ProblemSpec
 
 HELP = "schedule a small model with tensor parallelism on CPU ranks and verify it against the unscheduled one"
 BATCH, SEQ = 4, 64
@@ -27,10 +28,10 @@ def demo_rank(ctx, spec: ProblemSpec) -> str:
     """The 20-line example of docs/schedule-language.md, as one rank runs it, with the plan of the problem's template."""
     import torch
 
+    # torch-free: every --help imports this module; these import torch
     from .._build import build
     from .._schedule import create_schedule
     from .._verify import verify
-    from ..models import build_model
     from ..parallelize import apply_checkpointing, apply_tensor_parallel
 
     problem = spec.resolve()  # the template the command checked the world size against
@@ -47,11 +48,6 @@ def demo_rank(ctx, spec: ProblemSpec) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..device import device_setup
-    from ..launch import launch
-    from ..problem import ProblemSpec
-    from . import EXIT_FAILED, EXIT_OK
-
     # the world size is the tensor-parallel degree: one line naming the legal ones where it is not
     problem = ProblemSpec(args.model, args.world_size, global_batch=BATCH, seq_len=SEQ).resolve()
     problem.plan(f"tp={args.world_size}")

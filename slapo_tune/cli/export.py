@@ -6,6 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import UsageError
+from ..search._confirm import crowned
+from ..search._outputs import export
+from ..search._report import no_result_reason
+from ..search._storage import storage_url
+from . import EXIT_NO_RESULT, EXIT_OK
 from ._common import add_space_argument, add_storage_arguments
 
 HELP = "write a stored study's trials.csv, best_schedule.json and report (a study run elsewhere, e.g. as a Ray Job)"
@@ -19,13 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..search._confirm import crowned
-    from ..search._outputs import export
-    from ..search._report import no_result_reason
-    from ..search._storage import storage_url
-    from . import EXIT_NO_RESULT, EXIT_OK
-
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"output folder {out} is a file; choose another --out")

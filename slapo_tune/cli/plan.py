@@ -7,8 +7,16 @@ import itertools
 import json
 import time
 
+from ..cost_model import CostModel
+from ..cost_model.cards import preset_card
 from ..cost_model.ranking import Ranking, point_row, rank_points
-from ..units import format_size
+from ..device import cuda_reserve
+from ..errors import UsageError
+from ..plan import SHORT_NAMES, Plan, readable
+from ..precision import default_precision
+from ..space import format_point
+from ..units import format_size, parse_size
+from . import EXIT_OK
 from ._common import (
     add_device_argument,
     add_hardware_argument,
@@ -64,8 +72,6 @@ def _tokens(n: int) -> str:
 
 def _recheck_exact(model, rows: list[dict], budget: int) -> None:
     """``--mode exact``: each shown row's peak again by a fake step per pipeline stage."""
-    from ..plan import Plan
-
     for r in rows:
         peaks = {stage: b.total for stage, b in model.exact(Plan.of(r["point"], model.workload)).items()}
         r["exact_stage"] = max(peaks, key=peaks.get)
@@ -77,8 +83,6 @@ def _pinned_point_refusal(model, problem, knobs: str, row: dict, budget: int) ->
     not fit, and what does among the points with those knobs held: the fastest that fits, or the
     one of smallest peak (a user pinning tp, pp and recomputation has not chosen the schedule that
     came first, gpipe)."""
-    from ..space import format_point
-
     given = f"{format_point(row['point'])} is predicted at {format_size(row['peak'])}, over {format_size(budget)}"
     pinned = problem.pinned(knobs)
     found = rank_points(model, pinned, budget, 1)
@@ -94,10 +98,6 @@ def _pinned_point_refusal(model, problem, knobs: str, row: dict, budget: int) ->
 def _budget(args: argparse.Namespace, setup, hw) -> tuple[int, str]:
     """The per-device budget and how the header says it: the one given, or on GPU ranks the
     hardware's memory less the reserve ``tune`` keeps (:func:`~slapo_tune.device.cuda_reserve`)."""
-    from ..device import cuda_reserve
-    from ..errors import UsageError
-    from ..units import parse_size
-
     if args.memory_budget is not None:
         budget = parse_size(args.memory_budget)
         return budget, f"{format_size(budget)} each"
@@ -120,8 +120,6 @@ def _top_lines(rows: list[dict], budget: int) -> list[str]:
     """The shown points as text within :data:`~._common.WIDTH` columns: the knobs they share on one
     line, a table of the others (short names, :data:`~slapo_tune.plan.SHORT_NAMES`, with a legend)
     and their predictions, then each point's memory: its stages' blocks and its peak's parts."""
-    from ..plan import SHORT_NAMES
-
     names = list(rows[0]["point"])
     varying = [k for k in names if len({str(r["point"][k]) for r in rows}) > 1]
     shared = [k for k in names if k not in varying]
@@ -152,14 +150,6 @@ def _top_lines(rows: list[dict], budget: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cost_model import CostModel
-    from ..cost_model.cards import preset_card
-    from ..errors import UsageError
-    from ..plan import readable
-    from ..precision import default_precision
-    from ..space import format_point
-    from . import EXIT_OK
-
     t0, cpu0 = time.perf_counter(), time.process_time()
     # a plan is for a cluster: GPU ranks by default, and nothing of it has to run here
     setup = device_of(args.device or ("cpu" if args.hardware == "cpu" else "cuda"), here=False)
@@ -167,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     budget, budget_line = _budget(args, setup, hw)
     precision = args.precision or default_precision(setup.kind)
     if args.mode == "exact" and precision == "fp8":  # before the search, not after it
+        # torch-free: plan and every --help import this module; exact imports torch
         from ..cost_model.exact import FP8_EXACT_REFUSAL
 
         raise UsageError(FP8_EXACT_REFUSAL)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..search._storage import JOURNAL_NAME
+
 HELP = ("repair a damaged study journal (a record cut short or overwritten): keep every intact trial, set the "
         "original aside")
 SHOWN = 10  # damaged pieces listed one by one; the rest counted
@@ -17,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # optuna-free: every --help imports this module; _journal imports optuna
     from ..search._journal import salvage_journal
-    from ..search._storage import JOURNAL_NAME
 
     path = Path(args.journal)
     if path.is_dir():

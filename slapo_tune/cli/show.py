@@ -8,14 +8,19 @@ import math
 import sys
 from pathlib import Path
 
-from ._common import WIDTH, aligned, wrapped
+from ..errors import UsageError
+from ..plan import IDLE_WHERE, SHORT_NAMES
+from ..schedule_file import read_schedule
+from ..search._outputs import baseline_of, export
+from ..search._report import gain_text
+from ..search._storage import storage_url
+from ..units import format_size
+from ._common import WIDTH, add_space_argument, add_storage_arguments, aligned, wrapped
 
 HELP = "print a results folder's (or a stored study's) trials (the knobs that vary, throughput, memory) and best point"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ._common import add_space_argument, add_storage_arguments
-
     p.add_argument("folder", nargs="?", default=None,
                    help="a study's output folder (tune --out), holding trials.csv; or give the study's storage")
     add_storage_arguments(p, "the folder")
@@ -40,8 +45,6 @@ def _same(a: str, b) -> bool:
 
 
 def _size(text: str) -> str:
-    from ..units import format_size
-
     value = _number(text)
     return "" if value is None else format_size(value)
 
@@ -52,8 +55,6 @@ def _knob_columns(rows: list[dict], names: list[str]) -> list[str]:
 
 
 def _cells(row: dict, knobs: list[str], best: bool) -> list[str]:
-    from ..plan import IDLE_WHERE
-
     knob_cells = ["-" if k in IDLE_WHERE and _same(row.get(IDLE_WHERE[k][0], ""), IDLE_WHERE[k][1]) else row[k]
                   for k in knobs]
     rate = _number(row.get("samples_per_s"))
@@ -66,8 +67,6 @@ def _cells(row: dict, knobs: list[str], best: bool) -> list[str]:
 
 
 def _table(rows: list[dict], knobs: list[str], best: str | None, budget: str) -> list[str]:
-    from ..plan import SHORT_NAMES
-
     header = ["", "#", "status", *(SHORT_NAMES.get(k, k) for k in knobs), "samples/s",
               f"peak/{budget}" if budget else "peak", "note"]
     body = [_cells(r, knobs, r["trial"] == best) for r in rows]
@@ -83,13 +82,8 @@ def _table(rows: list[dict], knobs: list[str], best: str | None, budget: str) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-
     if args.folder is None:  # the study itself, wherever it ran: its tables rebuilt in a scratch folder
         import tempfile
-
-        from ..search._outputs import export
-        from ..search._storage import storage_url
 
         with tempfile.TemporaryDirectory(prefix="slapo-tune-show-") as scratch:
             export(storage_url(args.storage, args.storage_file), args.study, Path(scratch), report=False,
@@ -101,10 +95,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _show(folder: Path, args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-    from ..schedule_file import read_schedule
-    from ..units import format_size
-
     table = folder / "trials.csv"
     if not table.is_file():
         raise UsageError(f"{folder} has no trials.csv (is it a slapo-tune results folder?)")
@@ -138,9 +128,6 @@ def _show(folder: Path, args: argparse.Namespace) -> int:
         knobs = ", ".join(f"{k}={v}" for k, v in schedule["knobs"].items())
         print("\n".join(wrapped(f"best (*): trial {measured.get('trial')} at {measured.get('samples_per_s') or 0:.2f} "
                                 f"samples/s: {knobs}")))
-        from ..search._outputs import baseline_of
-        from ..search._report import gain_text
-
         baseline = baseline_of(measured)
         if baseline is not None:
             print("\n".join(wrapped(f"over out of the box: {gain_text(baseline)}")))

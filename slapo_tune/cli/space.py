@@ -6,6 +6,8 @@ import argparse
 import json
 import time
 
+from ..space import product_size
+from . import EXIT_OK
 from ._common import add_problem_arguments, problem_spec
 
 HELP = "list the knobs of a model's search space and count its legal points"
@@ -18,9 +20,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..space import product_size
-    from . import EXIT_OK
-
     problem = problem_spec(args).resolve()
     template, info, workload, space = problem.template, problem.info, problem.workload, problem.space
     t0 = time.perf_counter()  # the space's work (imports and config loading are not the space's cost)

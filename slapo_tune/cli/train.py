@@ -7,6 +7,10 @@ import dataclasses
 import signal
 import time
 
+from ..errors import UsageError
+from ..launch import RankFailure, launch
+from ..precision import runnable
+from . import EXIT_OK
 from ._common import (
     add_device_argument,
     add_space_argument,
@@ -48,9 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
+    # torch-free: every --help imports this module; train imports torch
     from ..train import TrainConfig, run_under_torchrun, under_torchrun
-    from . import EXIT_OK
 
     config = TrainConfig(schedule=args.schedule, model=args.model, space=args.space,
                          allow_model_mismatch=args.allow_model_mismatch,
@@ -63,11 +66,10 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         run_under_torchrun(config)
         return EXIT_OK
+    # torch-free: every --help imports this module; these import torch
     from ..apply import load_schedule
     from ..checkpoint import latest_checkpoint
     from ..data import TrainingData
-    from ..launch import RankFailure, launch
-    from ..precision import runnable
     from ..train import checkpoint_files, train_rank
 
     loaded = load_schedule(args.schedule, model=args.model, world_size=args.world_size, space=args.space,

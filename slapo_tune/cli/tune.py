@@ -6,9 +6,23 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ..search import DEFAULT_STRATEGY, STRATEGIES
+from ..cost_model import CostModel, Hardware
+from ..cost_model.ranking import least_peak_if_none_fits
+from ..device import DeviceSetup, cuda_reserve
+from ..errors import UsageError
+from ..launch import multiprocessing_temp_dir
+from ..models import preset_names
+from ..plan import readable
+from ..precision import default_precision, runnable
+from ..problem import Problem
+from ..search import DEFAULT_STRATEGY, STRATEGIES, TuneConfig, Tuner
+from ..search._cluster import connect, runtime_env_of
+from ..search._report import no_result_reason
+from ..search._storage import check_storage, redact, storage_url
+from ..space import format_point, parse_knobs
+from ..units import format_size, parse_duration, parse_size, size_at_least
+from . import EXIT_NO_RESULT, EXIT_OK, interrupted_exit_code
 from ._common import (
     add_device_argument,
     add_hardware_argument,
@@ -23,11 +37,7 @@ from ._common import (
     seed_int,
     wrapped,
 )
-
-if TYPE_CHECKING:
-    from ..cost_model import Hardware
-    from ..device import DeviceSetup
-    from ..problem import Problem
+from ._signals import termination_deferred
 
 HELP = "search for the fastest schedule that fits, running real trials"
 CPU_BUDGET = "16MiB"  # the default budget on cpu: small enough that it rules out part of gpt2-tiny's space
@@ -92,7 +102,7 @@ def best_lines(summary: dict, schedule: Path, width: int) -> list[str]:
     """The summary's lines on the crowned point (a summary with one: see ``no_result_reason``
     otherwise): its figure (confirmed, where it was) and file, then its knobs on indented lines, as
     the live view shows a trial's, all within ``width`` columns."""
-    from ..plan import readable
+    # rich-free: every --help imports this module; _live imports rich's live display
     from ._live import knob_lines
 
     best, confirmed = summary["best_point"], summary["confirmed"]
@@ -106,20 +116,8 @@ def best_lines(summary: dict, schedule: Path, width: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..device import cuda_reserve
-    from ..errors import UsageError
-    from ..launch import multiprocessing_temp_dir
-    from ..models import preset_names
-    from ..precision import default_precision, runnable
-    from ..search import TuneConfig, Tuner
-    from ..search._cluster import connect, runtime_env_of
-    from ..search._report import no_result_reason
-    from ..search._storage import check_storage, redact, storage_url
-    from ..space import format_point, parse_knobs
-    from ..units import format_size, parse_duration, parse_size
-    from . import EXIT_NO_RESULT, EXIT_OK, interrupted_exit_code
+    # rich-free: every --help imports this module; _live imports rich's live display
     from ._live import STOPS, TuneView, print_summary
-    from ._signals import termination_deferred
 
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy '{args.strategy}' (choose from {', '.join(STRATEGIES)})")
@@ -219,8 +217,6 @@ def run(args: argparse.Namespace) -> int:
 def check_cores(setup: DeviceSetup, world_size: int, oversubscribe: bool) -> None:
     """Refuse a world larger than this machine's usable cores (a :class:`UsageError` naming
     ``--oversubscribe``); with ``oversubscribe``, say once that the ranks share cores."""
-    from ..errors import UsageError
-
     if not setup.shares_cores(world_size):
         return
     ranks = f"{world_size} cpu ranks on this machine's {setup.count} usable core(s)"
@@ -236,11 +232,6 @@ def nothing_fits_line(problem: Problem, hardware: Hardware, budget: int) -> str 
     """Why no trial could run, when the cost model predicts that no point of ``problem``'s space
     fits ``budget`` bytes per rank (the tuner would prune every one): the smallest predicted peak,
     as ``plan`` finds it, and a budget that holds it; None when a point fits."""
-    from ..cost_model import CostModel
-    from ..cost_model.ranking import least_peak_if_none_fits
-    from ..space import format_point
-    from ..units import format_size, size_at_least
-
     least = least_peak_if_none_fits(CostModel(problem, hardware), problem, budget)
     if least is None:
         return None

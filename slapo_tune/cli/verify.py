@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from .._partition import rank_block_counts
+from ..launch import launch
+from ..plan import knob_value
+from ..precision import runnable
+from . import EXIT_FAILED, EXIT_OK
 from ._common import (
     add_device_argument,
     add_precision_argument,
@@ -28,12 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._partition import rank_block_counts
-    from ..checks import verify_point
-    from ..launch import launch
-    from ..plan import knob_value
-    from ..precision import runnable
-    from . import EXIT_FAILED, EXIT_OK
+    from ..checks import verify_point  # torch-free: every --help imports this module; checks imports torch
 
     setup = device_of(args.device)
     setup.check_world(args.world_size)  # one GPU per rank on cuda

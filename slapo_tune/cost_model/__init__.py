@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from search_spaces import template_for
+
 from .._partition import rank_block_count
 from ..errors import UsageError
-from ..plan import knob_value
+from ..plan import KNOB_DEFAULTS, accumulation, knob_value
 from ..precision import precision as precision_named
 from ..problem import Problem
 from ..units import format_size
@@ -49,6 +51,7 @@ from .analytic import (
     vector_peak,
 )
 from .calibration import Calibration
+from .cards import preset_card
 from .hardware import PRESETS, Hardware, detect_hardware, hardware, hardware_for
 
 if TYPE_CHECKING:
@@ -61,6 +64,7 @@ _TRACKER = ("MemoryBreakdown", "PeakTracker", "tracked_step")
 def __getattr__(name: str):
     if name not in _TRACKER:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # torch-free: plan and every --help import this module; _tracker imports torch
     from . import _tracker
 
     return getattr(_tracker, name)
@@ -369,8 +373,6 @@ class CostModel:
         per-group sizes looked up, once per distinct key; the floors as array operations)."""
         import numpy as np
 
-        from ..plan import accumulation
-
         w = weights if weights is not None else self._weights()
         if min(w.values()) < 0 or not points:
             return [0] * len(points)
@@ -466,6 +468,7 @@ class CostModel:
 
     def exact(self, point: Mapping[str, Any]) -> dict[int, MemoryBreakdown]:
         """Exact peak per stage (one fake step per stage)."""
+        # torch-free: plan and every --help import this module; .exact imports torch
         from .exact import exact_memory
 
         return exact_memory(self.problem, point, backend=self.backend)
@@ -523,8 +526,6 @@ class CostModel:
         fit (:meth:`group_floors`), else evaluated by :meth:`group_verdicts`; the throughputs only
         of the points that fit, at once (as ``plan`` evaluates a space)."""
         import numpy as np
-
-        from ..plan import KNOB_DEFAULTS
 
         complete = [{**KNOB_DEFAULTS, **p} for p in points]
         fits, peaks = np.zeros(len(complete), dtype=bool), np.zeros(len(complete), dtype=np.int64)
@@ -645,10 +646,6 @@ def _merged(apart: dict, evaluate) -> tuple[list[bool], list[int]]:
 
 def _layout(problem: Problem) -> ModelLayout:
     """A preset's shipped layout when it applies (no overrides, its own template), else measured."""
-    from search_spaces import template_for
-
-    from .cards import preset_card
-
     model, config = problem.model, problem.config
     if not model.overrides and problem.template is template_for(config):
         card = preset_card(model.name)

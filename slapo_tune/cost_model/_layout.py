@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._atomic import atomic_write_text
+from ..models import config_fingerprint, model_from_config
+from ..precision import precision as precision_named
 from ..template import Template
 from ._probe import activation_probe
 from .hardware import _cache_dir
@@ -63,8 +65,6 @@ def layout_of(config: Any, template: Template) -> ModelLayout:
     two-block copies are built (meta device, fake tensors); blocks are alike. Cached per config."""
     import torch
 
-    from ..models import config_fingerprint
-
     # a template from a user's file is known by its content too: its name and version need not change with it
     version = str(template.version) + (f"+{template.source.sha256[:12]}" if template.source else "")
     key = (config_fingerprint(config), template.name, version)
@@ -84,8 +84,8 @@ def layout_of(config: Any, template: Template) -> ModelLayout:
 def _measure_layout(config: Any, template: Template) -> ModelLayout:
     import copy
 
+    # torch-free: plan and every --help import this module; _pipeline imports torch
     from .._pipeline import _dry_run, _topmost
-    from ..models import model_from_config
 
     layers = config.num_hidden_layers
     small_config = copy.deepcopy(config)
@@ -138,8 +138,6 @@ def scores_materialised(layout: ModelLayout, attn: str, precision: str, gpu: boo
     kernel: FlashAttention-2 or the memory-efficient one, attention dropout included), on a CPU
     where the activation probe found it keeping scores in ``precision`` (torch's math fallback:
     attention dropout)."""
-    from ..precision import precision as precision_named
-
     if attn == "eager":
         return True
     return not gpu and layout.score_bytes.get(precision_named(precision).measured_as, {}).get(attn, 0.0) > 0

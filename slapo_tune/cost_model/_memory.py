@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..plan import Workload, knob_value
+from ..precision import precision
 from ._columns import _at_least_zero, _pick
 from ._layout import ModelLayout, scores_materialised
 
@@ -141,8 +142,6 @@ def model_state_bytes(precision_name: str, zero: int, dp: int) -> Mapping[str, f
     fp32 master 4, gradients 4, AdamW 8); sharded (``zero`` >= 1 over ``dp`` > 1 ranks) 16 / dp
     at every precision (fp32 shards 4, gradient shards 4, AdamW 8; under bf16 the shards are the
     masters and the bf16 weights exist only gathered)."""
-    from ..precision import precision
-
     mode = precision(precision_name)
     if zero and dp > 1:
         states = {"weights": 0.0 if mode.master else SHARD_BYTES / dp, "master": MASTER_BYTES / dp if mode.master else 0.0,

@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from ..models import model_from_config
 from ..plan import knob_value
-from ..template import Template
+from ..precision import precision as precision_named
+from ..template import ModelInfo, Template, set_attention
 
 PROBE_SEQ = (64, 128)
 # the precisions the probe measures a block in: every one a workload can run (slapo_tune.precision)
@@ -33,8 +35,6 @@ def probe_tp(config: Any, template: Template | None = None) -> int:
     sizes but the vocabulary, which the probe picks: heads, KV heads, MLP width); 0 if none, or if
     the template refuses tensor parallelism for this model (``Template.tp_refusal``)."""
     from dataclasses import replace
-
-    from ..template import ModelInfo
 
     if template is not None and template.tp_refusal(config):
         return 0
@@ -89,11 +89,9 @@ def probe_block(config: Any, template: Template | None, point: Mapping[str, Any]
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    # torch-free: plan and every --help import this module; these import torch
     from .._build import build
     from .._data_parallel import largest_module_list
-    from ..models import model_from_config
-    from ..precision import precision as precision_named
-    from ..template import set_attention
     from ..topology import init_topology
 
     tp = point["tp"]
@@ -162,6 +160,7 @@ def _block_bytes(model, block, seq: int, autocast, alive: bool, output: bool, wh
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
+    # torch-free: plan and every --help import this module; .exact imports torch
     from .exact import fake_mask_decisions
 
     params = {id(p.untyped_storage()) for p in model.parameters()}
@@ -219,6 +218,7 @@ def _block_bytes(model, block, seq: int, autocast, alive: bool, output: bool, wh
     stack = contextlib.ExitStack()
     try:
         if sequence_parallel:
+            # torch-free: plan and every --help import this module; parallelize imports torch
             from ..parallelize import sequence_parallel_activations
 
             # as the training step runs it: gathered tensors layers save are kept as this rank's shard

@@ -15,6 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from .._atomic import atomic_write_text
+from ..models import preset_names
+from ..problem import ProblemSpec
 from .analytic import ModelLayout, layout_of
 
 CARDS_FILE = Path(__file__).with_name("preset_cards.json")
@@ -24,8 +26,6 @@ CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attentio
 
 def compute_card(name: str) -> dict[str, Any]:
     """A preset's card, computed from its config and a meta-device build."""
-    from ..problem import ProblemSpec
-
     problem = ProblemSpec(name, 1).resolve()  # the sizes and the template are those of any world size
     config, info = problem.config, problem.info
     fields = {k: getattr(config, k, None) for k in CONFIG_FIELDS}
@@ -49,8 +49,6 @@ def preset_card(name: str) -> tuple[SimpleNamespace, ModelLayout] | None:
 
 
 def write_cards() -> Path:
-    from ..models import preset_names
-
     cards = {name: compute_card(name) for name in preset_names()}
     atomic_write_text(CARDS_FILE, json.dumps(cards, indent=1, sort_keys=True) + "\n")
     return CARDS_FILE

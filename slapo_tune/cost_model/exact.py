@@ -26,9 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import SlapoTuneError
+from ..errors import SlapoTuneError, UsageError
 from ..plan import Plan, Workload, accumulation, knob_value
 from ..problem import Problem
+from ..session import Session
+from ..topology import init_topology
 from ._tracker import MemoryBreakdown, fake_friendly_optimizers, tracked_step
 
 
@@ -201,15 +203,10 @@ def exact_memory(problem: Problem, point: Mapping[str, Any], *, stages: list[int
     Runs in the calling process, which must not be part of a process group already. Precision fp8
     is refused (:data:`FP8_EXACT_REFUSAL`): FP8 kernels do not run on fake CPU tensors.
     """
-    from ..errors import UsageError
-
     if problem.workload.mode.fp8:
         raise UsageError(FP8_EXACT_REFUSAL)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from ..session import Session
-    from ..topology import init_topology
 
     if dist.is_initialized():
         raise SlapoTuneError("exact_memory() runs its own fake process group; call it outside a distributed job")

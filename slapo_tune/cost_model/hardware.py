@@ -12,14 +12,13 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..device import DeviceSetup, device_setup
 from ..errors import UsageError
-
-if TYPE_CHECKING:
-    from ..device import DeviceSetup
+from ..launch import launch
 
 GiB = 2**30
 
@@ -207,9 +206,6 @@ def _collective_rank(ctx, sizes):
 
 def measure_collectives(world_size: int = 2) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of gloo all-reduce between local processes (alpha-beta fit)."""
-    from ..device import device_setup
-    from ..launch import launch
-
     sizes = [4096, 1 << 18, 1 << 21]
     # this CPU's collectives (gloo), also on a machine with GPUs
     times = launch(_collective_rank, world_size, args=(sizes,), timeout=120, threads_per_rank=1,

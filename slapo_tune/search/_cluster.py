@@ -35,6 +35,7 @@ from .._atomic import atomic_write_text
 from .._inputs import parse_json
 from ..device import DeviceSetup, default_concurrency, device_setup
 from ..errors import InfrastructureError, UsageError
+from ..launch import INTERFACE_VARIABLES, usable_cores
 from ._storage import STORAGE_ENV
 
 HEAD_FILE = ".ray_head.json"
@@ -408,9 +409,8 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
     ``runtime_env``: Ray's runtime environment for the trials (:func:`runtime_env_of`);
     ``net_if``: the network interface of the ranks' rendezvous and collectives (default: the one
     holding the node's Ray address, see :func:`runners.ray_runner.rendezvous_interface`)."""
+    # torch-free: every --help imports this module (the tune command imports the tuner); runners imports torch
     from runners import LocalRunner
-
-    from ..launch import usable_cores
 
     device = device or device_setup("cpu")
     cores = len(usable_cores())
@@ -424,6 +424,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         import ray  # noqa: F401
     except ImportError:
         raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none") from None
+    # torch-free: every --help imports this module (the tune command imports the tuner); runners imports torch
     from runners.ray_runner import RayRunner
 
     namespace = "slapo-tune"
@@ -462,8 +463,6 @@ def with_interface(runtime_env: dict | None, net_if: str | None) -> dict | None:
     --net-if``), which every rank actor of this driver's job then reads."""
     if not net_if:
         return runtime_env
-    from ..launch import INTERFACE_VARIABLES
-
     runtime_env = dict(runtime_env or {})
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **dict.fromkeys(INTERFACE_VARIABLES, net_if)}
     return runtime_env

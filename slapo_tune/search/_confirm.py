@@ -163,6 +163,7 @@ def confirmation(chosen: list[FrozenTrial], runs: dict[int, list[TrialResult]], 
     (``samples_per_s`` of their median, ``spread``, the steps, the errors of rounds that failed,
     ``rounds``: each round's own figure, None where it failed), the crowned trial (the fastest
     candidate; None when no candidate measured anything) and the ``baseline`` measured beside them."""
+    # torch-free: every --help imports this module (the tune command imports the tuner); runners imports torch
     from runners.trial import step_figures
 
     figures: dict[str, dict[str, Any]] = {}

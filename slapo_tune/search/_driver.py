@@ -27,13 +27,31 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..cost_model import CostModel, hardware, hardware_for
+from ..device import device_setup
 from ..errors import SlapoTuneError, UsageError
-from ..plan import TrialStatus
+from ..plan import OUT_OF_THE_BOX, TrialStatus
+from ..precision import LEGACY_DTYPES
 from ..problem import Problem, ProblemSpec
 from ..space import Point, format_point, point_key
-from ._confirm import BASELINE, CONFIRM_ROUNDS
+from ._confirm import (
+    BASELINE,
+    CONFIRM_ROUNDS,
+    RECORD,
+    baseline_trial,
+    candidates,
+    confirmation,
+    contenders,
+    crowned,
+    measured_side_by_side,
+    recorded,
+    side_by_side_gain,
+    why_confirmed,
+)
 from ._known import KnownReader, settled_status, trial_status
-from ._outputs import OUTPUTS_ATTR
+from ._outputs import OUTPUTS_ATTR, Outputs
+from ._report import out_of_the_box, statuses, tune_command
+from ._storage import is_journal, journal_path, open_storage, redact
 from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
 
 if TYPE_CHECKING:
@@ -161,10 +179,6 @@ class Tuner:
     def __init__(self, config: TuneConfig, runner, *, problem: Problem | None = None,
                  report: Callable[[dict], None] | None = None, write_outputs: bool = True,
                  sampler: BaseSampler | None = None):
-        from ..cost_model import CostModel, hardware, hardware_for
-        from ..device import device_setup
-        from ._outputs import Outputs
-
         if not config.problem.memory_budget:
             raise UsageError("tuning needs a memory budget per rank")
         # a given problem is the caller's, resolved and pinned (the CLI pins before anything starts)
@@ -190,8 +204,6 @@ class Tuner:
 
     def _command(self) -> str:
         """The tune command that runs this study again (resumes it), its storage's password hidden."""
-        from ._report import tune_command
-
         return tune_command(self.config)
 
     # ------------------------------------------------------------------ cost model
@@ -224,8 +236,8 @@ class Tuner:
     def _open_study(self) -> Study:
         import optuna
 
+        # optuna-free: every --help imports this module (the tune command imports the tuner); _samplers imports optuna
         from ._samplers import LegalDomains
-        from ._storage import open_storage
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = open_storage(self.config.storage, self.config.out)
@@ -256,8 +268,8 @@ class Tuner:
         replaced, and a new study would overwrite the outputs of the one it held."""
         import csv
 
+        # optuna-free: every --help imports this module (the tune command imports the tuner); _journal imports optuna
         from ._journal import salvage_command
-        from ._storage import is_journal, journal_path
 
         table = self.config.out / "trials.csv"
         if self.outputs is None or not is_journal(self.config.storage) or storage.get_all_studies() \
@@ -277,8 +289,6 @@ class Tuner:
         point is then kept as ``out_of_the_box``), with its prediction; the summary and the report
         compare the crowned point with it (see ``_report.out_of_the_box``). Nothing where this
         space has no such point (pinned away)."""
-        from ..plan import OUT_OF_THE_BOX
-
         try:
             point = self.space.complete(OUT_OF_THE_BOX)
         except UsageError:
@@ -325,8 +335,6 @@ class Tuner:
     def _check_same_study(self, study: Study) -> None:
         stored = study.user_attrs.get("context")
         if stored is not None and "dtype" in stored:  # a study begun before precisions had names
-            from ..precision import LEGACY_DTYPES
-
             stored = {("precision" if k == "dtype" else k): LEGACY_DTYPES.get(v, v) if k == "dtype" else v
                       for k, v in stored.items()}
         p = self.problem.spec
@@ -527,6 +535,7 @@ class Tuner:
 
     # ------------------------------------------------------------------ loop
     def trial_spec(self, trial_number: int, point: Point):
+        # torch-free: every --help imports this module (the tune command imports the tuner); runners imports torch
         from runners.trial import TrialSpec
 
         return TrialSpec(problem=self.problem.spec, knobs=point, warmup_steps=self.config.warmup_steps,
@@ -611,16 +620,6 @@ class Tuner:
         the study; nothing to do when confirmation is off, for a Pareto front (nothing to crown),
         or when the study's standing confirmation already covers the same candidates (a resumed
         study that finished)."""
-        from ._confirm import (
-            RECORD,
-            baseline_trial,
-            candidates,
-            contenders,
-            recorded,
-            side_by_side_gain,
-            why_confirmed,
-        )
-
         limit, rounds = self.config.confirm, self.config.confirm_rounds
         if limit < 1 or rounds < 1 or self.config.multi_objective:
             return
@@ -661,8 +660,6 @@ class Tuner:
         confirmation, see ._confirm.contenders)."""
         import statistics
 
-        from ._confirm import confirmation, measured_side_by_side
-
         measured = measured_side_by_side(chosen, baseline)
         total = rounds * len(measured)
         # before the first run ends, a run is expected to last as long as these trials took
@@ -691,10 +688,6 @@ class Tuner:
     def summary(self, stop: str) -> dict[str, Any]:
         """The run's counts, and the point crowned in the whole study (other drivers' trials too):
         the confirmed one, with its confirmed figures, where the study's confirmation stands."""
-        from ._confirm import crowned
-        from ._report import out_of_the_box, statuses
-        from ._storage import redact
-
         p = self.progress
         best, confirmed = crowned(self.study)
         config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()}

@@ -14,19 +14,23 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from search_spaces import recorded_template
+
 from .._atomic import atomic_write
 from .._partition import rank_block_counts
+from ..errors import UsageError
+from ..models import config_fingerprint
 from ..plan import TrialStatus, knob_value
+from ..problem import Problem, ProblemSpec
 from ..schedule_file import make_schedule, write_schedule
 from ._confirm import crowned, recorded
 from ._known import trial_status
 from ._report import out_of_the_box, write_report
+from ._storage import is_journal, open_storage, redact
 
 if TYPE_CHECKING:
     from optuna import Study
     from optuna.trial import FrozenTrial
-
-    from ..problem import Problem
 
 LAUNCHED = [s.value for s in TrialStatus if s.launched]
 # the study attribute holding what rebuilds the outputs from the study alone: the problem (its
@@ -139,8 +143,6 @@ def schedule_of(problem: Problem, study_name: str, trial: FrozenTrial, confirmed
     beside them) where it was confirmed; beside them the ``baseline``'s (``._report.out_of_the_box``)
     where it was measured: ``baseline_samples_per_s``, its trial and knobs, ``gain`` and how it
     was had (``gain_how``; side by side: ``gain_low``-``gain_high`` round by round)."""
-    from ..models import config_fingerprint
-
     plan = problem.plan(trial.user_attrs["point"])
     result = trial.user_attrs.get("result") or {}
     predicted = trial.user_attrs.get("predicted") or {}
@@ -192,12 +194,6 @@ def export(storage: str | None, study_name: str | None, out: Path, report: bool 
     The study is data: a template file or module it names is loaded only as the user names it
     (``space``, their ``--space``; see :func:`search_spaces.recorded_template`)."""
     import optuna
-
-    from search_spaces import recorded_template
-
-    from ..errors import UsageError
-    from ..problem import ProblemSpec
-    from ._storage import is_journal, open_storage, redact
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     shown = redact(storage or "", storage)

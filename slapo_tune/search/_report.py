@@ -25,6 +25,7 @@ from ..space import point_key
 from ..units import format_size, size_argument
 from ._confirm import BASELINE, baseline_trial, recorded, side_by_side_gain
 from ._known import trial_status
+from ._storage import STORAGE_ENV, redact
 
 if TYPE_CHECKING:
     from optuna import Study
@@ -178,8 +179,6 @@ def tune_command(config: Any) -> str:
     driver imports this module) again: on the same study it resumes it. Its storage as it was
     given: ``--storage-file PATH``; nothing, with a note, for ``$SLAPO_TUNE_STORAGE``; else
     ``--storage URL``, the URL's password shown as ``***`` (with a note: the user types it)."""
-    from ._storage import STORAGE_ENV, redact
-
     p = config.problem
     args = ["slapo-tune", "tune", "--model", p.model, "--world-size", str(p.world_size),
             "--global-batch", str(p.global_batch), "--seq-len", str(p.seq_len), "--precision", p.precision,

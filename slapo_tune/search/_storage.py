@@ -116,6 +116,7 @@ def open_storage(url: str | None, out: Path):
     import optuna
     from optuna.storages import JournalStorage
 
+    # optuna-free: every --help imports this module (the tune command imports the tuner); _journal imports optuna
     from ._journal import CheckedJournalBackend
 
     if is_journal(url):

@@ -37,6 +37,7 @@ def make_strategy(name: str, problem: Problem, seed: int = 0,
     the ``model`` strategy orders by their throughputs, ``guided`` starts from them and reads their
     peaks; ``known``: the reader of the study the caller already keeps, which the ordered
     strategies then share)."""
+    # optuna-free: every --help imports this module (the tune command imports the tuner); _samplers imports optuna
     from . import _samplers
 
     if name not in STRATEGIES:
