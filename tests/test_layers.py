@@ -149,3 +149,36 @@ def test_the_checks_see_an_upward_import_and_a_circle(tmp_path):
     broken = import_graph(tmp_path)
     assert "slapo_tune.template (templates) imports slapo_tune.search (tuner and CLI)" in upward_imports(broken)
     assert any("slapo_tune.template" in c and "slapo_tune.search._driver" in c for c in circles(broken))
+
+
+REASONS = ("torch-free", "optuna-free", "rich-free")
+
+
+def test_an_import_inside_a_function_says_why():
+    """An import of the library's own modules belongs at the top of its module (no circle needs one
+    deferred: see test_no_circle); one inside a function keeps a heavy package out of a path that
+    must not load it (``plan``, ``space``, every ``--help``, ``import slapo_tune``), and says which,
+    on its line or in the comment above its group of imports."""
+    unexplained = []
+    for module, path in modules().items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)) or not _is_project_import(node, module):
+                    continue
+                above = node.lineno - 2
+                while above >= 0 and lines[above].strip().startswith(("from ", "import ")):
+                    above -= 1
+                said = lines[node.lineno - 1] + (lines[above] if above >= 0 else "")
+                if not any(reason in said for reason in REASONS):
+                    unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert unexplained == []
+
+
+def _is_project_import(node: ast.Import | ast.ImportFrom, module: str) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return node.level > 0 or (node.module or "").split(".")[0] in PACKAGES
+    return any(alias.name.split(".")[0] in PACKAGES for alias in node.names)

@@ -32,6 +32,7 @@ from ._metadata import ScheduleMetadata, metadata_of, tag_parameters
 from ._subgraphs import Subgraph
 from .logger import get_logger  # noqa: F401  (re-exported, as Slapo's slapo.get_logger)
 from .pattern import Pattern, call_module  # noqa: F401  (re-exported, as Slapo's slapo.Pattern)
+from .pipeline import mark_cut
 from .random import get_cuda_rng_tracker, is_random_seed_set, set_random_seed, tracker_aware  # noqa: F401
 
 # Slapo's resharding schemes over the last two axes (R: replicated, S: sharded) -> (op, axis, join axis)
@@ -281,8 +282,6 @@ class Schedule:
         block of a module list, for ``build`` with a pipeline topology)."""
         parent = self._node.parent
         if parent is not None and isinstance(parent.mod, fx.GraphModule):
-            from .pipeline import mark_cut
-
             mark_cut(self._node)
             return
         self._node.cut_pipeline_stage()
