@@ -161,7 +161,8 @@ def test_a_node_lost_mid_trial_is_one_lost_trial_and_the_next_fits_what_is_left(
     victim = next(iter(ray_cluster.worker_nodes))
     head_node = next(n["NodeID"][:8] for n in ray.nodes() if n["Alive"] and n["NodeID"] != victim.node_id)
     runner = RayRunner()
-    spec = _spec(name="trial-lost", measured_steps=40)
+    # steps enough to outlast the wait below on any machine (about 0.05 s each): the kill lands mid-trial
+    spec = _spec(name="trial-lost", measured_steps=2000)
     out = {}
     worker = threading.Thread(target=lambda: out.update(result=runner.run(spec)))
     worker.start()
