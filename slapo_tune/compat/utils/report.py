@@ -19,8 +19,12 @@ def _live_cpu_tensor_bytes() -> int:
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which warns on deprecated torch objects
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            try:
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a tensor with no real storage (fake, functional, freed)
+                continue
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
     return sum(seen.values())
 
 
