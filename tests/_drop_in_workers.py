@@ -69,8 +69,11 @@ def called_like_the_model(ctx, schedule: str, batch: dict[str, torch.Tensor]) ->
         "tuple": (type(as_tuple).__name__, as_tuple[0].item(), tuple(as_tuple[1].shape)),
         "config": session.stage.config is session.stage.model.config,
     }
-    # what the drop-in call added holds no cycle: a dropped session's model goes at once
+    # what the drop-in call added holds no cycle: a dropped session's model goes at once. Garbage
+    # already unreachable (cycles other code left while the calls ran: a caught exception's frames)
+    # may still point at the model: collected first, so that only the session's own references count
     stage = weakref.ref(session.stage)
+    gc.collect()
     gc.disable()
     try:
         del session, got, sliced, as_tuple

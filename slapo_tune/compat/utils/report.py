@@ -12,13 +12,17 @@ from ..logger import get_logger
 logger = get_logger()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _live_cpu_tensor_bytes() -> int:
     """Bytes of the distinct CPU storages of the tensors alive in this process (meta tensors
     hold none): what the CPU allocator holds for tensors, without the noise of the RSS."""
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
+        # plain tensors and parameters only (a fake or functional tensor holds no memory of its own);
         # type(), not isinstance(): isinstance reads __class__, which warns on deprecated torch objects
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+        if type(obj) in _PLAIN and obj.device.type == "cpu" and obj.layout == torch.strided:
             try:
                 storage = obj.untyped_storage()
                 ptr = storage.data_ptr()
