@@ -36,16 +36,16 @@ def test_nothing_fits_exits_3_before_starting_with_one_line_naming_a_budget_that
     assert err[0].startswith("slapo-tune: no result: no point fits the memory budget of 0.0 MiB per rank, as the "
                              "cost model predicts (nothing was started): the smallest predicted peak is "), err
     from slapo_tune.cli.tune import nothing_fits_line
-    from slapo_tune.cost_model import hardware
+    from slapo_tune.cost_model import CostModel, hardware
     from slapo_tune.problem import ProblemSpec
     from slapo_tune.units import parse_size
 
     named = err[0].rsplit("rerun with --memory-budget ", 1)[1].removesuffix(" or more")
     problem = ProblemSpec(model="gpt2-tiny", world_size=2, global_batch=8, seq_len=32, precision="fp32", device="cpu",
                           memory_budget=parse_size(named)).resolve().pinned(SMALL[SMALL.index("--knobs") + 1])
-    cpu = hardware("cpu")
-    assert nothing_fits_line(problem, cpu, parse_size(named)) is None  # the budget named fits a point
-    assert nothing_fits_line(problem, cpu, parse_size(named) - 2**20) is not None  # and a MiB less does not
+    cost = CostModel(problem, hardware("cpu"))
+    assert nothing_fits_line(cost, problem, parse_size(named)) is None  # the budget named fits a point
+    assert nothing_fits_line(cost, problem, parse_size(named) - 2**20) is not None  # and a MiB less does not
     assert not out.exists()  # no study, no outputs: nothing ran
 
 

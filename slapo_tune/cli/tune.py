@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cost_model import CostModel, Hardware
+from ..cost_model import CostModel
 from ..cost_model.ranking import least_peak_if_none_fits
 from ..device import DeviceSetup, cuda_reserve
 from ..errors import UsageError
@@ -158,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     # made now, not at the first local launch (with Ray there may be none): this also removes the
     # multiprocessing folders of SIGKILLed drivers before anything else runs
     multiprocessing_temp_dir()
-    unfit = nothing_fits_line(problem, hardware, budget) if args.prune != "none" else None
+    cost = CostModel(problem, hardware)  # the tuner's too
+    unfit = nothing_fits_line(cost, problem, budget) if args.prune != "none" else None
     if unfit:  # what every point would be pruned for, said before a head, a rank or a study starts
         print(f"slapo-tune: no result: {unfit}", file=sys.stderr)
         return EXIT_NO_RESULT
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                             trial_time_limit=trial_timeout, hardware=hardware.name, knobs=pins, confirm=args.confirm)
         shown = [k for k in problem.space.names if len(problem.space.domain(k)) > 1]  # the knobs that vary
         view = TuneView("quiet" if args.quiet else "json" if args.json_lines else "auto", budget, shown)
-        tuner = Tuner(config, cluster.runner, problem=problem, report=view)
+        tuner = Tuner(config, cluster.runner, problem=problem, report=view, cost=cost)
         storage_shown = redact(storage_at, storage_at) if storage_at else str(out / "study.journal")
         if not args.json_lines:
             ranks = f"{args.world_size} {setup.name} rank(s), one GPU each" if setup.cuda else f"{args.world_size} cpu rank(s)"
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{cluster.runner.concurrency} in flight", cluster.describe(),
                       f"study '{tuner.study.study_name}' in {storage_shown}"]
             # broken at spaces (the cluster's description is longer than a line)
-            print("\n".join(wrapped(", ".join(header), then="  ", width=view.width)), file=sys.stderr, flush=True)
+            print("\n".join(wrapped(", ".join(header), width=view.width)), file=sys.stderr, flush=True)
         with view:
             summary = tuner.run()
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (see ._signals)
@@ -228,11 +229,11 @@ def check_cores(setup: DeviceSetup, world_size: int, oversubscribe: bool) -> Non
           f"and their figures include that", file=sys.stderr)
 
 
-def nothing_fits_line(problem: Problem, hardware: Hardware, budget: int) -> str | None:
+def nothing_fits_line(cost: CostModel, problem: Problem, budget: int) -> str | None:
     """Why no trial could run, when the cost model predicts that no point of ``problem``'s space
     fits ``budget`` bytes per rank (the tuner would prune every one): the smallest predicted peak,
     as ``plan`` finds it, and a budget that holds it; None when a point fits."""
-    least = least_peak_if_none_fits(CostModel(problem, hardware), problem, budget)
+    least = least_peak_if_none_fits(cost, problem, budget)
     if least is None:
         return None
     return (f"no point fits the memory budget of {format_size(budget)} per rank, as the cost model predicts "

@@ -178,7 +178,7 @@ class Tuner:
 
     def __init__(self, config: TuneConfig, runner, *, problem: Problem | None = None,
                  report: Callable[[dict], None] | None = None, write_outputs: bool = True,
-                 sampler: BaseSampler | None = None):
+                 sampler: BaseSampler | None = None, cost: CostModel | None = None):
         if not config.problem.memory_budget:
             raise UsageError("tuning needs a memory budget per rank")
         # a given problem is the caller's, resolved and pinned (the CLI pins before anything starts)
@@ -186,9 +186,10 @@ class Tuner:
         self.config = replace(config, problem=self.problem.spec)  # the problem's defaults filled in
         self.runner, self.report = runner, report or (lambda _event: None)
         self.space, self.workload, self.template = self.problem.space, self.problem.workload, self.problem.template
-        device = (hardware(config.hardware) if config.hardware
-                  else hardware_for(device_setup(self.problem.spec.device, here=False))[0])
-        self.cost = CostModel(self.problem, device)
+        # a given cost model is the caller's, of this problem on the config's hardware (the CLI made it
+        # to check that something fits before anything started)
+        self.cost = cost or CostModel(self.problem, hardware(config.hardware) if config.hardware
+                                      else hardware_for(device_setup(self.problem.spec.device, here=False))[0])
         self._known = KnownReader()  # what the study knows: point key -> status, told values, running
         # this driver's name in the study: other drivers on it leave its running trials alone
         self.driver = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
