@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as hs
 
 import slapo_tune as st
@@ -313,7 +313,7 @@ _JSON = hs.recursive(hs.none() | hs.booleans() | hs.integers(-2**70, 2**70) | hs
                      | hs.text(max_size=8) | hs.sampled_from(["fp32", "bf16", "gpt2", "1"]),
                      lambda c: hs.lists(c, max_size=3) | hs.dictionaries(hs.text(max_size=6), c, max_size=3),
                      max_leaves=6)
-_ANY_OF_TYPE = {"device": str, "layout": dict, "versions": dict, "measured": dict, "predicted": dict, "study": str,
+_ANY_OF_TYPE = {"layout": dict, "versions": dict, "measured": dict, "predicted": dict, "study": str,
                 "created": str}  # fields nothing depends on: any value of their type
 _OPTIONAL = ("versions", "measured", "predicted", "study", "created")
 
@@ -344,6 +344,8 @@ def _should_load(data, valid: dict) -> bool:
             ok = isinstance(got, _ANY_OF_TYPE[key])
         elif key == "precision":
             ok = got in ("fp32", "amp-bf16", "bf16")
+        elif key == "device":  # where the ranks run
+            ok = got in ("cpu", "cuda")
         elif key == "seq_len":  # any length the model has positions for
             ok = type(got) is int and 1 <= got <= 256
         elif key == "knobs":  # the same point; an integral float knob may be written as an int
@@ -368,6 +370,7 @@ def _should_load(data, valid: dict) -> bool:
 @given(edits=hs.lists(hs.tuples(hs.sampled_from(["drop", "set", "knob", "model", "template"]), hs.text(max_size=12),
                                 _JSON), max_size=4),
        cut=hs.one_of(hs.none(), hs.integers(0, 2000)))
+@example(edits=[("set", "00", "")], cut=None)  # a device that is none of cpu, cuda (found by a full run)
 def test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run(tmp_path, monkeypatch, capsys, edits, cut):
     """``slapo-tune train`` on an edited schedule file exits 2 with one line exactly when the file is
     not one it should run (by :func:`_should_load`), and starts the ranks (here: a stand-in) otherwise."""
