@@ -19,6 +19,7 @@ from torch import nn
 
 from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
 from ._master_weights import MasterWeights
+from ._partition import rank_stages
 from ._pipeline import (
     StageInfo,
     StageModule,
@@ -326,9 +327,9 @@ def build(
     if topology is None:
         finish(model)
         return model
-    # rank r of an interleaved pipeline runs stages r, r + pp, ...; every copy is made before any
-    # stage is cut (cutting changes the model in place)
-    indices = [topology.pp_rank + k * topology.pp for k in range(stages // topology.pp)]
+    # an interleaved rank runs several stages: every copy is made before any stage is cut (cutting
+    # changes the model in place)
+    indices = list(rank_stages(topology.pp_rank, topology.pp, stages))
     models = [model] + [structural_copy(model) for _ in indices[1:]]
     chunks = []
     for index, copy in zip(indices, models, strict=True):

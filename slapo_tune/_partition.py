@@ -85,12 +85,19 @@ def stage_block_range(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
     return start, start + counts[stage]
 
 
+def rank_stages(rank: int, pp: int, stages: int) -> range:
+    """The stages pipeline ``rank`` runs when a model is cut into ``stages`` (a multiple of ``pp``):
+    ``rank, rank + pp, ...``, torch's interleaved order (one stage each without interleaving). The
+    builder, the block counts and the cost model all read this one rule."""
+    return range(rank, stages, pp)
+
+
 @functools.lru_cache(maxsize=4096)
 def rank_block_count(num_layers: int, pp: int, rank: int, vpp: int = 1) -> int:
     """How many blocks pipeline ``rank`` holds when ``num_layers`` blocks are cut into ``pp * vpp``
     stages (:func:`stage_block_counts`) and rank ``r`` holds stages ``r, r + pp, ...``."""
     counts = stage_block_counts(num_layers, pp * vpp)
-    return sum(counts[rank::pp])
+    return sum(counts[stage] for stage in rank_stages(rank, pp, pp * vpp))
 
 
 def rank_block_counts(num_layers: int, pp: int, vpp: int = 1) -> list[int]:

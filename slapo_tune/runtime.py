@@ -390,7 +390,18 @@ class TrainStep:
 
     def _stepped(self) -> list[torch.Tensor]:
         """What the optimizer steps: the fp32 masters under bf16, else the parameters themselves."""
-        return list(self.model.master.parameters() if self.model.master is not None else self.model.parameters())
+        return self.masters() if self.model.master is not None else list(self.model.parameters())
+
+    def masters(self) -> list[torch.Tensor]:
+        """The fp32 masters the optimizer steps in the parameters' place (bf16 on replicated
+        parameters; none otherwise): state beside the stage's own tensors, which memory counts."""
+        return list(self.model.master.parameters()) if self.model.master is not None else []
+
+    def stepped_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps for ``param``: its fp32 master where the stage keeps
+        masters, else ``param`` itself (the one place that decides it)."""
+        master = self.model.master
+        return master.master(param) if master is not None else param
 
     def _backward_started(self, grad: torch.Tensor) -> None:
         # The logits' gradient comes before any parameter's. Synchronised gradients are set aside,
@@ -503,8 +514,7 @@ class TrainStep:
 
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient the optimizer steps ``param`` with (its fp32 master's under bf16)."""
-        master = self.model.master
-        return master.master(param).grad if master is not None else param.grad
+        return self.stepped_tensor(param).grad
 
     def _sync_gradients(self) -> None:
         topo, info = self.topology, self.model.info

@@ -77,8 +77,7 @@ class Session:
     def trained_parameters(self) -> dict[str, torch.Tensor]:
         """The tensors the optimizer steps, by the stage's parameter names: the parameters themselves,
         or their fp32 master copies (``bf16`` precision on replicated parameters)."""
-        master = self.stage.master
-        return {name: master.master(p) if master is not None else p for name, p in self.stage.named_parameters()}
+        return {name: self.step.stepped_tensor(p) for name, p in self.stage.named_parameters()}
 
     @property
     def accumulation(self) -> int:
@@ -124,9 +123,8 @@ class Session:
         """(peak, loss) of one step measured by :func:`slapo_tune.memory.measured_peak`; call after
         a first step (it creates the optimizer state)."""
         losses: list[torch.Tensor] = []
-        master = self.stage.master
         peak = measured_peak(lambda: losses.append(self.train_step(batch)), self.stage, self.optimizer,
-                             self.device, extra=list(master.parameters()) if master is not None else (),
+                             self.device, extra=self.step.masters(),
                              held=self.step.held_buffers())
         return peak, float(losses[0])
 

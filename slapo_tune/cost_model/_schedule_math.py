@@ -9,7 +9,7 @@ import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._partition import CKPT_SPREAD, checkpointed_indices, rank_block_count, stage_block_range
+from .._partition import CKPT_SPREAD, checkpointed_indices, rank_block_count, rank_stages, stage_block_range
 from ..plan import knob_value
 
 if TYPE_CHECKING:  # annotations only: the layout's module imports nothing of this one
@@ -71,7 +71,7 @@ def rank_blocks(total_layers: int, pp: int, rank: int, vpp: int = 1) -> list[int
     """The blocks pipeline ``rank`` runs, in its local order: the model is cut into ``pp * vpp``
     stages (:func:`~slapo_tune._partition.stage_block_counts`: equal, or the first and last the
     fewer) and rank ``r`` holds stages ``r, r + pp, ...``."""
-    return [i for k in range(vpp) for i in range(*stage_block_range(total_layers, pp * vpp, rank + k * pp))]
+    return [i for stage in rank_stages(rank, pp, pp * vpp) for i in range(*stage_block_range(total_layers, pp * vpp, stage))]
 
 
 @functools.lru_cache(maxsize=4096)

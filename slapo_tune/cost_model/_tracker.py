@@ -21,9 +21,8 @@ def tracked_step(session, batch) -> MemoryBreakdown:
     optimizer state already exists (call after a first, untracked step)."""
     tracker = PeakTracker()
     tracker.track(session.stage, session.optimizer)
-    if session.stage.master is not None:  # the optimizer's parameters are not the stage's
-        for master in session.stage.master.parameters():
-            tracker._add(master, "optimizer")
+    for master in session.step.masters():  # the optimizer's parameters, where they are not the stage's
+        tracker._add(master, "optimizer")
     for buffer in session.step.held_buffers():  # receive buffers a pipeline kept between steps (ours: none)
         tracker._add(buffer, "activations")
     with tracker:
