@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _comm
+from . import _comm, _send_release
 from ._context_parallel import context, context_shards, cp_loss_fn, split_sequence
 from ._data_parallel import average_gradients
 from ._partition import interleaved_microbatches_ok
@@ -106,13 +106,32 @@ def _lazy_receive_stage():
                 self._allocate(self.grad_recv_info[bwd_chunk_id], self.device)
             return super().get_bwd_recv_ops(bwd_chunk_id)
 
+        # the send release (_send_release): a send's ops labelled with what they send, and each
+        # compute action (its receive done) a point where sends proven received are let go
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            return self._labelled(super().get_fwd_send_ops(fwd_chunk_id), "SEND_F", fwd_chunk_id)
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int):
+            return self._labelled(super().get_bwd_send_ops(bwd_chunk_id), "SEND_B", bwd_chunk_id)
+
+        def _labelled(self, ops, kind: str, chunk: int):
+            release = _send_release.active()
+            return release.label((self.stage_index, kind, chunk), ops) if release is not None else ops
+
+        def _reached(self, kind: str, chunk: int) -> None:
+            release = _send_release.active()
+            if release is not None:
+                release.reached((self.stage_index, kind, chunk))
+
         def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            self._reached("F", fwd_chunk_id)
             output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
             if not self.is_first:  # the input is now the forward's: held by it until the backward
                 self._drop({fwd_chunk_id: self.args_recv_info[fwd_chunk_id]})
             return output
 
         def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+            self._reached("B" if full_backward else "I", bwd_chunk_id)
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                        last_backward=last_backward)
             if not self.is_last:
@@ -225,6 +244,7 @@ class TrainStep:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._schedule = None
         self._shape = None
+        self.send_release: _send_release.SendRelease | None = None  # the last interleaved step's
         # calls of the stage like its model (call_like_model): the synchronised gradients set aside
         # while .grad holds what backward calls since have added (None: .grad is all synchronised)
         self._aside: list[torch.Tensor | None] | None = None
@@ -483,6 +503,13 @@ class TrainStep:
         if shape != self._shape:  # stages record shapes on their first step
             self._make_schedule(shape)
         info = self.model.info
+        # interleaved (torch's runtime schedules): sends let go as their receives are proven posted
+        releasing = _send_release.releasing_sends(self._schedule) if len(self.model.chunks) > 1 \
+            else contextlib.nullcontext()
+        with releasing as self.send_release:
+            self._step_schedule(ids, labels, losses, info)
+
+    def _step_schedule(self, ids: torch.Tensor, labels: torch.Tensor, losses: list[torch.Tensor], info) -> None:
         # return_outputs=False: merging every micro-batch's logits would keep them all alive
         if info.is_first:
             self._schedule.step(ids, target=labels if info.is_last else None,

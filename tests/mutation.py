@@ -318,6 +318,11 @@ NAMED = (
              "                raise InfrastructureError(f\"the local Ray head did not answer",
              "                raise UsageError(f\"the local Ray head did not answer",
              ("tests/test_exit_codes.py::test_a_local_head_that_does_not_come_up_is_not_a_usage_error",)),
+    Mutation("an interleaved pipeline keeps every send until the step ends (torch's retention)",
+             "slapo_tune/_send_release.py",
+             "            if (at is not None and self.proof.posted(self.rank, at, action)) or all(",
+             "            if False and (at is not None and self.proof.posted(self.rank, at, action)) or all(",
+             ("tests/test_send_release.py::test_peak_lower_by_the_sends_torch_keeps",)),
 )
 
 # module -> the default tests that exercise it (the sweep runs them, fastest first, for each mutant)

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "slapo_tune.runtime", "slapo_tune.models", "slapo_tune.launch", "slapo_tune.data", "slapo_tune.space",
         "slapo_tune.memory", "slapo_tune.checkpoint", "slapo_tune.units",
         "slapo_tune.precision", "slapo_tune._master_weights", "slapo_tune.device", "slapo_tune.styles",
-        "slapo_tune._partition", "slapo_tune._patterns", "slapo_tune.op", "slapo_tune.compat")),
+        "slapo_tune._partition", "slapo_tune._send_release", "slapo_tune._patterns", "slapo_tune.op", "slapo_tune.compat")),
     ("templates", ("slapo_tune.template", "slapo_tune.plan", "slapo_tune.problem", "slapo_tune.schedule_file",
                    "search_spaces")),
     ("session and training job", ("slapo_tune.session", "slapo_tune.apply", "slapo_tune.checks", "slapo_tune.train")),

@@ -59,7 +59,7 @@ MEMORY_TERMS = (
     # loss_parallel: made in place of the softmax; one compute-dtype slice, the head's output or the cast,
     # and the head's backward beside it)
     "pp_recv",  # pipeline receive buffers in flight: activations (stages after the first), gradients (before the last)
-    "pp_sends",  # interleaved pipelines: what a rank has sent (chunk outputs, input gradients), alive until the step ends
+    "pp_sends",  # interleaved pipelines: input gradients a rank has sent, not yet proven received (_send_release)
     "dp_buckets",  # the flat buffer gradients are averaged through (replicated data parallelism)
     "constant",  # 1 MiB units (none by default; a calibration may find some)
 )

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from .._partition import rank_block_count
+from .._send_release import pending_gradient_sends
 from ..plan import Workload, accumulation, knob_value
 from ._columns import _any, _at_least_zero, _each, _int, _max, _min, _nonzero, _pick, _same, _scalar
 from ._layout import ModelLayout
@@ -333,15 +334,15 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
     head_backward = _pick(tp > 1, 2, 1) * tokens * layout.hidden * B + head_matrix * Pb
     grad_1 = _pick(fused_loss, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
                    2 * loss_1)
-    # torch's runtime schedules (interleaved) keep what they send until the step ends (see
-    # backward_last, _interleaved_end_events), so the steady state's in-flight micro-batches meet
-    # more sends with every step: at its end, once the last forward is done, every forward send and
-    # the sends of the backwards run so far (all but the warm-up's count still to run; a rank's first
-    # chunk sends none on the model's first stage)
+    # an interleaved runtime lets a send go once its receive is proven posted
+    # (runtime: slapo_tune._send_release): a chunk output sent forward always is by its own
+    # backward (it lives in the stage until then anyway, counted with the micro-batch), an input
+    # gradient sent backward once a later receive shows the peer past its receive. What stays is a
+    # bound read off torch's action lists, the same whatever the timing: at most
+    # pending_gradient_sends gradients (on a device, sends that complete sooner go sooner)
     steady_sends = 0.0
     if interleaved and accumulating:
-        left = _min(_each(interleaved_warmup, pp, vpp, m, stage), m * vpp)
-        steady_sends = hidden_1 * (m * (vpp - last) + (m * vpp - left) * (vpp - first) / vpp)
+        steady_sends = hidden_1 * _each(_sends_pending, pp, vpp, m, stage, schedule)
     # what a backward's end frees: a micro-batch's activations, or interleaved, its chunk's
     done = 1 / vpp
     return _Stage(
@@ -352,6 +353,11 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
         cache=cache, whole=whole, one=one, root=root, top=top, top_checkpointed=top_checkpointed,
         recompute=recompute, recopies=recopies, loss_1=loss_1, out_1=out_1, logits_1=logits_1, grad_1=grad_1,
         steady_sends=steady_sends, done=done)
+
+
+def _sends_pending(pp: int, vpp: int, m: int, stage: int, schedule: str) -> int:
+    """The input gradients interleaved pipeline rank ``stage`` may still hold sent (its bound)."""
+    return pending_gradient_sends(int(pp), int(vpp), int(m), int(stage), "zb" if schedule == "zb" else "1f1b")
 
 
 def _stage_terms(knobs: _Knobs, stage: int) -> StageTerms:
@@ -627,14 +633,14 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
     stage, first, last, cache, grads, emb_1 = st.stage, st.first, st.last, st.cache, st.grads, st.emb_1
     first_chunk_ckpt, per_stage, per_mb, logits_1 = st.first_chunk_ckpt, st.per_stage, st.per_mb, st.logits_1
     G = GRAD_BYTES
-    # torch's runtime schedules (interleaved 1F1B, interleaved zero bubble) wait for their
-    # sends only once the step's actions are done (_PipelineScheduleRuntime._step_microbatches):
-    # every chunk output sent forward (the chunks before the model's last) and every input
-    # gradient sent backward (the chunks after its first) stays alive until then. Their most
-    # is at the rank's last backward, beside the stage's gradients and that backward's
-    # temporaries (the first stage's: its embedding's gradient, emb_1); on the last stage also at
+    # interleaved runtime schedules let each send go once its receive is proven posted
+    # (slapo_tune._send_release): at the rank's last backward, beside the stage's gradients and
+    # that backward's temporaries (the first stage's: its embedding's gradient, emb_1), every chunk
+    # output sent forward has gone with its backward; the input gradients sent backward that the
+    # rank cannot yet know received stay (at most the schedule's bound); on the last stage also at
     # the step's last loss, the chunks still to run backward in flight (the warm-up's count)
-    sent = hidden_1 * m * (2 * vpp - first - last)
+    sent = st.steady_sends if _same(st.steady_sends != 0) else \
+        hidden_1 * _each(_sends_pending, pp, vpp, m, stage, knobs.schedule)
     end = {**cache, "gradients": grads, "pp_sends": sent}
     end.update({"grads_transient": emb_1} if first else
                {"backward_temp": temp_1, "grads_transient": mlp_matrix * G})
@@ -644,14 +650,14 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
         # that chunk's last checkpointed block beside every send but its own (made by it)
         chunk_full = per_stage // vpp - first_chunk_ckpt
         events["backward_last_rebuild"] = {
-            **cache, **_gradients(knobs, st, st.top, True), "pp_sends": sent - (0.0 if first else hidden_1),
+            **cache, **_gradients(knobs, st, st.top, True), "pp_sends": sent,
             "act_replicated": rep_1 * chunk_full, "act_parallel": par_1 * chunk_full,
             "act_scores": scores_1 * chunk_full, "act_fused": fused_1 * chunk_full,
             "act_checkpointed": hidden_1 * first_chunk_ckpt, "act_selective": sel_1 * first_chunk_ckpt,
             "recompute": st.recompute, "backward_temp": temp_1}
     if last:
         waiting = _min(_each(interleaved_warmup, pp, vpp, m, stage), m * vpp - 1)
-        events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent - hidden_1 * waiting,
+        events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent,
                                **{k: v * waiting / vpp for k, v in per_mb.items()},
                                "logits": logits_1, "logits_grad": grad_1}
 

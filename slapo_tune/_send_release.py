@@ -1,0 +1,234 @@
+"""Pipeline sends released once the schedule proves they can complete, not when the step ends.
+
+torch's runtime schedules (``_PipelineScheduleRuntime._step_microbatches``: interleaved 1F1B and
+zero bubble) keep the works of every ``SEND_F`` / ``SEND_B`` in a local list and wait for them only
+after the step's last action. A work keeps its tensor, so a rank holds every chunk output it sent
+(after that micro-batch's backward has freed everything else of it) and every input gradient it
+sent, until the step ends: about ``2 x vpp x micro-batches`` boundary tensors. torch defers the wait
+because a blocking wait on a send whose receive the peer has not posted yet can deadlock the
+interleaved order.
+
+Here a send is waited (and its work dropped, so its tensor goes when nothing else holds it) once
+the schedule *proves* its receive is posted: the peer's action list (``pipeline_order_with_comms``,
+the same on every rank) posts that receive at a known position, and the step's own receives carry
+knowledge of how far each rank has got (a vector clock: the receive from a peer completes only
+after that peer ran every action before its send, and knew what its own receives told it). A
+send whose receive is posted completes without any further action of ours, so its wait cannot
+deadlock. Completion is also polled (``Work.is_completed``, which NCCL answers without blocking;
+gloo answers only after a wait), so on a device a send may go sooner: the proof is the bound.
+
+The bound does not depend on timing: :func:`pending_gradient_sends` computes it from the
+action lists alone, for the cost model. A chunk output sent forward is always proven received by
+the time its backward runs (the gradient it receives was made from it), so the forward sends add
+nothing to what the stage holds anyway; what stays alive is input gradients sent backward whose
+receive the rank cannot yet know posted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+# The action kinds of torch's lowered schedules this knows; anything else (a V-schedule's
+# same-rank hand-off, overlapped F/B pairs) turns the release off for the step
+_KNOWN = frozenset({"F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD",
+                    "REDUCE_GRAD"})
+
+
+def _kind(action: Any) -> str:
+    return action.computation_type.value
+
+
+def _receipt(action: Any, stage_to_rank: Mapping[int, int], n_stages: int, rank: int) -> tuple[int, int, str] | None:
+    """The send that a compute action's receive matched: (peer rank, stage, kind), or None when the
+    action receives nothing from another rank."""
+    kind, stage = _kind(action), action.stage_index
+    if kind == "F" and stage > 0 and stage_to_rank[stage - 1] != rank:
+        return stage_to_rank[stage - 1], stage - 1, "SEND_F"
+    if kind in ("B", "I") and stage < n_stages - 1 and stage_to_rank[stage + 1] != rank:
+        return stage_to_rank[stage + 1], stage + 1, "SEND_B"
+    return None
+
+
+def _matching_receive(send: tuple[int, str, int], stage_to_rank: Mapping[int, int]) -> tuple[int, tuple[int, str, int]]:
+    """For a send (stage, kind, micro-batch): the peer rank and the key of the receive it matches in
+    the peer's list."""
+    stage, kind, mb = send
+    if kind == "SEND_F":
+        return stage_to_rank[stage + 1], (stage + 1, "RECV_F", mb)
+    return stage_to_rank[stage - 1], (stage - 1, "RECV_B", mb)
+
+
+class SendProof:
+    """What every rank knows after each of its actions (its vector clock: the index in each rank's
+    action list that rank has provably passed), from the lowered action lists of every rank."""
+
+    def __init__(self, orders: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]):
+        for rank, actions in orders.items():
+            unknown = {_kind(a) for a in actions} - _KNOWN
+            if unknown:
+                raise ValueError(f"rank {rank}'s schedule has actions {sorted(unknown)} the send release does not know")
+        self.orders, self.stage_to_rank = orders, stage_to_rank
+        ranks = sorted(orders)
+        self.ranks = ranks
+        n_stages = len(stage_to_rank)
+        self.index = {r: {(a.stage_index, _kind(a), a.microbatch_index): i for i, a in enumerate(orders[r])}
+                      for r in ranks}
+        self.clock: dict[int, list[tuple[int, ...] | None]] = {r: [None] * len(orders[r]) for r in ranks}
+        position = dict.fromkeys(ranks, 0)
+        known = {r: [-1] * len(ranks) for r in ranks}
+        slot = {r: i for i, r in enumerate(ranks)}
+        self.slot = slot
+        moved = True
+        while moved:  # every rank as far as its receives allow, until all are done
+            moved = False
+            for r in ranks:
+                actions = orders[r]
+                while position[r] < len(actions):
+                    i = position[r]
+                    got = _receipt(actions[i], stage_to_rank, n_stages, r)
+                    if got is not None:
+                        peer, stage, kind = got
+                        sent = self.clock[peer][self.index[peer][(stage, kind, actions[i].microbatch_index)]]
+                        if sent is None:
+                            break
+                        known[r] = [max(a, b) for a, b in zip(known[r], sent, strict=True)]
+                    known[r][slot[r]] = i
+                    self.clock[r][i] = tuple(known[r])
+                    position[r] += 1
+                    moved = True
+        stuck = [r for r in ranks if position[r] < len(orders[r])]
+        if stuck:
+            raise ValueError(f"the schedule's receives cannot all be matched (ranks {stuck} wait forever)")
+
+    def posted(self, rank: int, at: int, send: tuple[int, str, int]) -> bool:
+        """Whether ``rank``, after its action ``at``, provably knows the receive of its ``send``
+        (stage, kind, micro-batch) posted."""
+        peer, key = _matching_receive(send, self.stage_to_rank)
+        return self.clock[rank][at][self.slot[peer]] >= self.index[peer][key]
+
+    def pending_gradient_sends(self, rank: int) -> int:
+        """The most input-gradient sends of ``rank`` not yet proven received at any of its actions."""
+        pending: list[Any] = []
+        most = 0
+        for i, action in enumerate(self.orders[rank]):
+            if _kind(action) == "SEND_B":
+                pending.append((action.stage_index, "SEND_B", action.microbatch_index))
+            pending = [s for s in pending if not self.posted(rank, i, s)]
+            most = max(most, len(pending))
+        return most
+
+
+@functools.cache
+def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, schedule: str = "1f1b") -> int:
+    """The bound, for torch's interleaved schedule (``schedule`` "1f1b" or "zb") of ``pp`` ranks
+    with ``vpp`` stages each: the most input gradients ``rank`` has sent whose receive it cannot
+    yet know posted (so that the release keeps them)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zb" else schedules.ScheduleInterleaved1F1B
+    return SendProof(*_lowered_orders(cls, pp, vpp, n_microbatches)).pending_gradient_sends(rank)
+
+
+def _lowered_orders(cls: type, pp: int, vpp: int, m: int) -> tuple[dict[int, list[Any]], dict[int, int]]:
+    """torch's own action lists (communication included) for a schedule, without stages or a
+    process group: its per-rank order, then its lowering."""
+    from torch.distributed.pipelining import schedules
+
+    shell = object.__new__(cls)  # only the attributes the order needs; no stage is touched
+    shell.pp_group_size, shell.n_local_stages, shell._n_microbatches = pp, vpp, m
+    shell._num_stages, shell.rank = pp * vpp, 0
+    shell.number_of_rounds = max(1, m // pp)
+    shell.microbatches_per_round = m // shell.number_of_rounds
+    stage_to_rank = {s: s % pp for s in range(pp * vpp)}
+    shell.stage_index_to_group_rank = stage_to_rank
+    compute = {r: shell._calculate_single_rank_operations(r) for r in range(pp)}
+    if cls is schedules.ScheduleInterleavedZeroBubble:
+        shell.pipeline_order = compute
+        compute = shell._add_bubbles_to_actions(vpp * pp)
+    lowered = {r: schedules._add_reduce_grad(schedules._add_unshard_reshard(compute[r]), m) for r in compute}
+    return schedules._add_send_recv(lowered, stage_to_rank=lambda s: stage_to_rank[s], num_stages=pp * vpp), \
+        stage_to_rank
+
+
+class SendRelease:
+    """For one step of one rank's runtime schedule: the send works still held, each waited and
+    dropped once proven posted (or seen completed)."""
+
+    def __init__(self, proof: SendProof, rank: int):
+        self.proof, self.rank = proof, rank
+        # (the send's key: stage, kind, micro-batch; the list of its works torch holds too)
+        self.pending: list[tuple[tuple[int, str, int], list[Any]]] = []
+        self._labelled: tuple[tuple[int, str, int], list[Any]] | None = None
+        self.most = 0  # the most sends held at once this step (what a test can compare)
+
+    def label(self, send: tuple[int, str, int], ops: list[Any]) -> list[Any]:
+        """The ops a stage is about to hand to ``_batch_p2p`` for its ``send`` (stage, "SEND_F" or
+        "SEND_B", micro-batch)."""
+        self._labelled = (send, ops)
+        return ops
+
+    def sent(self, ops: list[Any], works: list[Any]) -> None:
+        if self._labelled is not None and self._labelled[1] is ops and works:
+            self.pending.append((self._labelled[0], works))
+            self.most = max(self.most, len(self.pending))
+        self._labelled = None
+
+    def reached(self, key: tuple[int, str, int]) -> None:
+        """The rank is at its action ``key`` (a compute action, its receive done): release what is
+        proven posted or already complete."""
+        at = self.proof.index[self.rank].get(key)
+        kept = []
+        for action, works in self.pending:
+            if (at is not None and self.proof.posted(self.rank, at, action)) or all(w.is_completed() for w in works):
+                for work in works:
+                    work.wait()  # its receive is posted: completes without us (or has)
+                works.clear()  # torch's list of this send's works: nothing left for it to wait on
+            else:
+                kept.append((action, works))
+        self.pending = kept
+
+
+_ACTIVE: list[SendRelease] = []
+
+
+def active() -> SendRelease | None:
+    """The release of the step running in this process, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def releasing_sends(schedule: Any) -> Iterator[SendRelease | None]:
+    """Around one ``step`` of a torch runtime schedule: release its sends as proven (see the module
+    docstring). torch's internals this relies on (``pipeline_order_with_comms``,
+    ``stage_index_to_group_rank``, the module-level ``_batch_p2p``) missing or unknown: a warning,
+    and torch's own retention for the step."""
+    from torch.distributed.pipelining import schedules
+
+    try:
+        proof = schedule.__dict__.get("_send_proof")
+        if proof is None:
+            proof = SendProof(schedule.pipeline_order_with_comms, schedule.stage_index_to_group_rank)
+            schedule.__dict__["_send_proof"] = proof
+        original = schedules._batch_p2p
+        release = SendRelease(proof, schedule.rank)
+    except (AttributeError, KeyError, ValueError) as e:
+        warnings.warn(f"pipeline sends are kept until the step ends (torch's retention): {e}", stacklevel=3)
+        yield None
+        return
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = original(p2p_ops, desc)
+        release.sent(p2p_ops, works)
+        return works
+
+    schedules._batch_p2p = batch_p2p
+    _ACTIVE.append(release)
+    try:
+        yield release
+    finally:
+        _ACTIVE.pop()
+        schedules._batch_p2p = original
