@@ -103,7 +103,8 @@ def test_fuse_on_schedules_fused_norms_and_swiglu_that_verify_on_two_ranks():
                              ("fp32", {"pp": 2, "fuse": "on", "ckpt_ratio": 0.5, "ckpt_policy": "selective",
                                        "micro_batch": 2}),
                              ("fp32", {"tp": 2, "fuse": "on", "ckpt_ratio": 1.0, "micro_batch": 2}),
-                             ("bf16", {"tp": 2, "sp": "on", "fuse": "on", "micro_batch": 2})):
+                             ("bf16", {"tp": 2, "sp": "on", "fuse": "on", "micro_batch": 2}),
+                             ("amp-bf16", {"pp": 2, "fuse": "on", "zero": 0, "micro_batch": 2})):
         case_spec = ProblemSpec("llama-tiny", 2, global_batch=8, seq_len=16, precision=precision)
         point = case_spec.resolve().plan(knobs).knobs()
         cases.append(((precision, format_point(point)), case_spec, point))
