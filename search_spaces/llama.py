@@ -1,5 +1,6 @@
 """Llama-style decoders (also Mistral, Qwen2): separate Q/K/V, gated (SwiGLU) MLP, untied head.
-Fusion: Q/K/V into one projection, gate/up into one projection."""
+Fusion: Q/K/V into one projection, gate/up into one projection that a SwiGLU kernel reads, and
+fused RMSNorms (Transformer Engine's and Megatron's Llama block: slapo_tune.op)."""
 
 from slapo_tune.styles import Colwise, ReduceInputGrad, Rowwise, VocabParallel
 from slapo_tune.template import Template
@@ -33,6 +34,8 @@ class LlamaTemplate(Template):
         "model.layers.*.self_attn": (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
         "model.layers.*.mlp": (("gate_proj", "up_proj"), "gate_up_proj"),
     }
+    fused_norms = ("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")
+    swiglu_mlps = {"model.layers.*.mlp": ("gate_up_proj", "down_proj")}
 
 
 TEMPLATE = LlamaTemplate()

@@ -15,6 +15,11 @@
 * :class:`LinearWithSyncFunc`: a linear layer calling ``sync_fn`` on its output before the bias, as
   a row-parallel layer must (the bias added once, not once per rank).
 
+* :class:`FusedRMSNorm` and :class:`SwiGLUMLP`: Hugging Face's Llama RMSNorm and gated SiLU MLP
+  computing the same values while keeping for backward only what Transformer Engine's and
+  Megatron's fused kernels keep (:func:`rms_norm`, :func:`swiglu`); the llama template swaps them in
+  under ``fuse=on``.
+
 :func:`all_reduce` and :func:`all_to_all` are the differentiable collectives for ``sync_fn`` and
 for schedules written with functions.
 """
@@ -155,5 +160,114 @@ class LinearWithSyncFunc(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class _RMSNorm(torch.autograd.Function):
+    """``weight * (x / rms(x))`` as Hugging Face's ``LlamaRMSNorm`` computes it (in fp32, the
+    normalised value cast back to ``x``'s dtype before the weight multiplies it), keeping for
+    backward only ``x`` and the per-token ``rstd``: autograd over the plain formula keeps an fp32
+    copy of ``x`` and the normalised tensor as well (4 more bytes per element of a bf16 ``x``), and
+    backward recomputes the normalised tensor from the two instead."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        xf = x.to(torch.float32)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            normed = (xf * rstd).to(x.dtype)
+            # the product's gradient in its own (promoted) dtype, summed over the broadcast token axes
+            grad_weight = (grad * normed).sum_to_size(weight.shape).to(weight.dtype)
+        # the gradient reaching the normalised tensor is rounded to its dtype, as autograd's cast does
+        g = (grad * weight).to(x.dtype).to(torch.float32)
+        # d/dx of x * rstd(x) with rstd = (mean(x^2) + eps)^-1/2: g * rstd - x * rstd^3 * mean(g * x)
+        grad_rstd = (g * xf).sum(-1, keepdim=True)
+        grad_x = g * rstd + xf * (grad_rstd * (-0.5) * rstd.pow(3) * (2.0 / x.shape[-1]))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of ``x`` (last axis), keeping only ``x`` and ``rstd`` for backward."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class FusedRMSNorm(nn.Module):
+    """Hugging Face's Llama/Mistral/Qwen2 RMSNorm (``weight``, ``variance_epsilon``) through
+    :func:`rms_norm`: same outputs and gradients, less memory kept (``from_module`` adopts a
+    norm's own ``weight`` parameter, so materialisation and every schedule state see the same
+    tensor; "RMSNorm" in the class name lets Hugging Face's initialiser treat it as a norm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    @classmethod
+    def from_module(cls, norm: nn.Module) -> FusedRMSNorm:
+        weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
+            raise ScheduleError(f"FusedRMSNorm.from_module(): {type(norm).__name__} is not a Llama-style RMSNorm "
+                                "(a 1-D weight and a float variance_epsilon)")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.weight, fused.variance_epsilon = weight, eps
+        return fused
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of a fused ``[gate | up]`` projection output, keeping only that input:
+    autograd over the plain formula keeps ``silu(gate)`` too (the product's other factor); backward
+    recomputes it. (The product itself is what the down projection saves.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_width: int) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.gate_width = gate_width
+        gate, up = x.split([gate_width, x.shape[-1] - gate_width], dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        gate, up = x.split([ctx.gate_width, x.shape[-1] - ctx.gate_width], dim=-1)
+        # the same operations autograd runs for F.silu(gate) * up, so the same values
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        return torch.cat([grad_gate, grad * F.silu(gate)], dim=-1), None
+
+
+def swiglu(x: torch.Tensor, gate_width: int) -> torch.Tensor:
+    """``silu(x[..., :gate_width]) * x[..., gate_width:]``, keeping only ``x`` for backward."""
+    return _SwiGLU.apply(x, gate_width)
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate) * up)`` over one fused ``gate_up_proj`` (a layer with ``split_sizes``
+    ``[gate, up]``, as :func:`~slapo_tune.fuse_linears` makes; a column-parallel shard keeps both
+    halves of its slice, with ``split_sizes`` divided), through :func:`swiglu`: Hugging Face's
+    Llama MLP after ``fuse=on``'s projection fusion, with less memory kept."""
+
+    def __init__(self, gate_up_proj: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        sizes = getattr(gate_up_proj, "split_sizes", None)
+        if sizes is None or len(sizes) != 2:
+            raise ScheduleError("SwiGLUMLP: gate_up_proj must be one projection fused from two, [gate | up] "
+                                "(split_sizes of two parts)")
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_up_proj(x), self.gate_up_proj.split_sizes[0]))
+
+
 __all__ = ["FusedMLP", "Attention", "AttentionCore", "Print", "LinearWithSyncFunc", "all_reduce", "all_to_all",
-           "ACTIVATIONS"]
+           "ACTIVATIONS", "FusedRMSNorm", "SwiGLUMLP", "rms_norm", "swiglu"]

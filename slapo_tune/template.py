@@ -100,6 +100,12 @@ class Template:
     tp_plan: Mapping[str, Any] = {}
     # {parent glob: ((sibling linear names), fused name)}: horizontal fusion for ``fuse=on``
     fusion_groups: Mapping[str, tuple[tuple[str, ...], str]] = {}
+    # ``fuse=on`` also runs these globs' Llama-style RMSNorms as slapo_tune.op.FusedRMSNorm, and these
+    # MLPs ({glob: (fused gate|up projection, down projection)}, a fusion group's result) as
+    # SwiGLUMLP where the activation is SiLU: what Transformer Engine's fused kernels compute, keeping
+    # what they keep for backward
+    fused_norms: tuple[str, ...] = ()
+    swiglu_mlps: Mapping[str, tuple[str, str]] = {}
     source: TemplateSource | None = None  # set by the loader of a template from a user's file
     # the model's loss is Hugging Face's causal-LM one (shifted labels): ``loss_parallel`` can replace it
     causal_lm = True
@@ -132,14 +138,24 @@ class Template:
         return bool(self.fusion_groups)
 
     def fuse(self, sch: Schedule, model: nn.Module) -> None:
-        """Fuse sibling projections horizontally (``fuse=on``)."""
+        """Fuse sibling projections horizontally, then swap in the fused norms and SwiGLU MLPs
+        (``fuse=on``)."""
         # torch-free: plan, space and every --help import this module; these import torch
         from ._graph import fuse_linears
+        from .op import FusedRMSNorm, SwiGLUMLP
         from .parallelize import glob_to_regex
 
         for parent, (names, fused_name) in self.fusion_groups.items():
             for node in sch.find(glob_to_regex(parent)):
                 node.replace(fuse_linears, target=[node[n] for n in names], name=fused_name)
+        for pattern in self.fused_norms:
+            for node in sch.find(glob_to_regex(pattern)):
+                node.replace(FusedRMSNorm.from_module(node.mod))
+        # a gated MLP of another activation (GeGLU) keeps its own forward
+        if getattr(getattr(model, "config", None), "hidden_act", None) in ("silu", "swish"):
+            for parent, (gate_up, down) in self.swiglu_mlps.items():
+                for node in sch.find(glob_to_regex(parent)):
+                    node.replace(SwiGLUMLP(node.mod.get_submodule(gate_up), node.mod.get_submodule(down)))
 
     def extra_knobs(self, info: ModelInfo, workload: Workload) -> list[Knob]:
         return []
