@@ -240,9 +240,9 @@ NAMED = (
              "    return CheckpointPolicy.PREFER_RECOMPUTE",
              ("tests/test_selective_checkpoint.py::test_selective_memory_lies_between_none_and_full_and_exact_mode_"
               "predicts_it", "tests/test_selective_checkpoint.py::test_selective_recomputes_no_matmul_and_replays_dropout")),
-    Mutation("an interleaved pipeline rank holds consecutive stages instead of r, r + pp, ...", "slapo_tune/_build.py",
-             "    indices = [topology.pp_rank + k * topology.pp for k in range(stages // topology.pp)]",
-             "    indices = [topology.pp_rank * (stages // topology.pp) + k for k in range(stages // topology.pp)]",
+    Mutation("an interleaved pipeline rank holds consecutive stages instead of r, r + pp, ...", "slapo_tune/_partition.py",
+             "    return range(rank, stages, pp)",
+             "    return range(rank * (stages // pp), (rank + 1) * (stages // pp))",
              ("tests/test_interleaved.py::test_rank_r_holds_stages_r_and_r_plus_pp",)),
     Mutation("a structural copy loses what the schedule stored on a traced GraphModule", "slapo_tune/_pipeline.py",
              "        if isinstance(m, fx.GraphModule):", "        if False:",
