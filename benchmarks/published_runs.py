@@ -5,10 +5,13 @@ and table), the model's shape, the hardware, the layout and knobs, the global ba
 length, the precision and the published throughput (tokens/s per GPU, and MFU). For each run:
 
 - **fits**: the analytic peak of the published configuration against its GPU's memory (a run that
-  ran must fit);
+  ran must fit), and **kept**: against the budget ``tune`` and ``plan`` use by default on that GPU
+  (its memory less :func:`~slapo_tune.device.cuda_reserve`, which the CUDA context, NCCL's buffers
+  and the allocator's fragmentation take beside the tensors), the cost model's own verdict there: a
+  run that ran must not be pruned before it is tried;
 - **ratio**: predicted / published tokens per second per GPU (the time model, uncalibrated);
 - **MFU**: the predicted MFU beside the published one (Spearman's rank correlation over the runs);
-- **rank**: where ``plan`` puts the published configuration among the points that fit the GPU
+- **rank**: where ``plan`` puts the published configuration among the points that fit that budget
   (1 = the planner's first choice), and how much faster the first choice is predicted; twice: among
   the points the run's framework offers (``frameworks`` in the data file: llm-foundry runs FSDP
   alone, so its experts chose among ZeRO levels, micro-batch sizes and checkpointing, not tensor or
@@ -126,8 +129,10 @@ def published_point(run: dict) -> dict:
 def evaluate(run: dict, rank: bool) -> dict:
     """One run: its predicted peak, throughput and MFU, and (``rank``) where plan puts it."""
     from slapo_tune.cost_model import CostModel, hardware
+    from slapo_tune.device import cuda_reserve
 
     hw = hardware(run["hardware"])
+    budget = hw.memory - cuda_reserve(hw.memory)  # plan's and tune's default on this GPU
     problem = _spec(run).resolve()
     model = CostModel(problem, hw)
     point = problem.plan(published_point(run))
@@ -137,15 +142,16 @@ def evaluate(run: dict, rank: bool) -> dict:
     predicted = tokens / timing.step / run["gpus"]
     published = run["published"]["tokens_per_s_per_gpu"]
     row = {"id": run["id"], "held_out": run["held_out"], "memory": hw.memory, "peak": memory.peak,
-           "fits": memory.peak <= hw.memory, "predicted_tokens": predicted, "published_tokens": published,
+           "fits": memory.peak <= hw.memory, "budget": budget, "kept": model.verdict(point, budget, prediction=memory).fits,
+           "predicted_tokens": predicted, "published_tokens": published,
            "ratio": predicted / published, "predicted_mfu": model.mfu(timing.step, run["gpus"]),
            "published_mfu": run["published"]["mfu"], "breakdown": timing.breakdown}
     if rank:
         mine = timing.throughput(problem.workload)
-        every = _plan_rank(problem, model, hw.memory, mine, [{}])
+        every = _plan_rank(problem, model, budget, mine, [{}])
         pins = framework_pins(run["framework"])
         # within one framework's layouts, its points (plan's list shows one per layout)
-        own = every if pins == [{}] else _plan_rank(problem, model, hw.memory, mine, pins, distinct=())
+        own = every if pins == [{}] else _plan_rank(problem, model, budget, mine, pins, distinct=())
         row.update(own)
         row.update({f"{k}_any": v for k, v in every.items()})
     return row
@@ -196,7 +202,7 @@ def summarise(rows: list[dict]) -> dict:
         rank, best = r[f"rank{suffix}"], r[f"best_over_published{suffix}"]
         return (rank is not None and rank <= TOP) or (best is not None and best <= 1.10)
 
-    return {"runs": len(rows), "not_fitting": sum(not r["fits"] for r in rows),
+    return {"runs": len(rows), "not_fitting": sum(not r["fits"] for r in rows), "pruned": sum(not r["kept"] for r in rows),
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "within_15": sum(0.85 <= x <= 1.15 for x in ratios),
             "median_abs_error": statistics.median(abs(x - 1) for x in ratios),
@@ -230,13 +236,15 @@ def report_section(data: dict) -> list[str]:
     lines = ["## Published GPU runs", "",
              f"Each run's published configuration (`{data['source']}`, with citations), predicted by the analytic "
              "cost model, uncalibrated. Ratio: predicted / published tokens per second per GPU. Rank: the published "
-             f"configuration's place among plan's points that fit the GPU (- : not in the first {TOP}), first among "
+             "Kept: not pruned by the cost model at tune's and plan's default budget on that GPU (its memory less the "
+             "CUDA reserve). "
+             f"Rank: the published configuration's place among plan's points that fit that budget (- : not in the first {TOP}), first among "
              "the points its framework offers (llm-foundry: FSDP alone; every point there), then among plan's list "
              "over every knob (one row per tp/pp/cp layout); first choice: plan's best point's predicted speed-up "
              "over it.", "",
-             "| run | held out | peak GiB / GPU | fits | tokens/s/GPU published | predicted | ratio | MFU published | "
+             "| run | held out | peak GiB / GPU (default budget) | fits | kept | tokens/s/GPU published | predicted | ratio | MFU published | "
              "predicted | rank (framework) | first choice | rank (every knob) | first choice |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ranked(r: dict, suffix: str) -> str:
         if f"best_over_published{suffix}" not in r:
@@ -245,13 +253,13 @@ def report_section(data: dict) -> list[str]:
         return f"{r[f'rank{suffix}'] or '-'} | {'' if best is None else f'{best:.2f}x'}"
 
     for r in data["rows"]:
-        lines.append(f"| {r['id']} | {'yes' if r['held_out'] else ''} | {r['peak'] / gib:.1f} / {r['memory'] / gib:.0f} | "
-                     f"{'yes' if r['fits'] else '**no**'} | {r['published_tokens']:,.0f} | {r['predicted_tokens']:,.0f} | "
+        lines.append(f"| {r['id']} | {'yes' if r['held_out'] else ''} | {r['peak'] / gib:.1f} / {r['memory'] / gib:.0f} ({r['budget'] / gib:.1f}) | "
+                     f"{'yes' if r['fits'] else '**no**'} | {'yes' if r['kept'] else '**pruned**'} | {r['published_tokens']:,.0f} | {r['predicted_tokens']:,.0f} | "
                      f"{r['ratio']:.2f} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | {ranked(r, '')} | "
                      f"{ranked(r, '_any')} |")
-    lines += ["", "| runs | n | not fitting | ratio median (range) | within 0.85-1.15 | median abs error | "
+    lines += ["", "| runs | n | not fitting | pruned at the default budget | ratio median (range) | within 0.85-1.15 | median abs error | "
               "Spearman MFU | top 10 or first choice <= 1.10x (framework) | (every knob) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("fitted", "held_out", "other_runtime"):
         s = data.get(name)
         if not s:
@@ -260,7 +268,7 @@ def report_section(data: dict) -> list[str]:
         top = "" if s["top_or_close"] is None else f"{s['top_or_close']} of {s['ranked']}"
         top_any = "" if s["top_or_close_any"] is None else f"{s['top_or_close_any']} of {s['ranked']}"
         label = {"fitted": "fitted", "held_out": "held out", "other_runtime": "NVIDIA Megatron-Bridge (held out)"}[name]
-        lines.append(f"| {label} | {s['runs']} | {s['not_fitting']} | {s['ratio_median']:.2f} "
+        lines.append(f"| {label} | {s['runs']} | {s['not_fitting']} | {s['pruned']} | {s['ratio_median']:.2f} "
                      f"({s['ratio_min']:.2f}-{s['ratio_max']:.2f}) | {s['within_15']} | {s['median_abs_error']:.2f} | "
                      f"{spear} | {top} | {top_any} |")
     return lines + [""]
