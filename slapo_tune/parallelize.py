@@ -250,26 +250,27 @@ class _GatheredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, whole, weight, bias, group, transposed):
-        device = whole.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else whole.dtype
-        with torch.autocast(device, enabled=False):
-            x, w = whole.to(dtype), weight.to(dtype)
-            b = None if bias is None else bias.to(dtype)
-            if not transposed:
-                out = F.linear(x, w, b)
-            else:  # as Conv1D computes it
-                flat = x.reshape(-1, x.shape[-1])
-                out = (flat.matmul(w) if b is None else torch.addmm(b, flat, w)).view(*x.shape[:-1], w.shape[-1])
-        ctx.save_for_backward(shard.detach().to(dtype), w)
+        # under autocast the product casts its operands (the weight's cast from autocast's cache)
+        if not transposed:
+            out = F.linear(whole, weight, bias)
+        else:  # as Conv1D computes it
+            flat = whole.reshape(-1, whole.shape[-1])
+            out = (flat.matmul(weight) if bias is None else torch.addmm(bias, flat, weight))
+            out = out.view(*whole.shape[:-1], weight.shape[-1])
+        # the shard in the product's dtype: what autocast's cast of the gathered input holds, of this
+        # rank's tokens; the weight itself (a parameter), cast again in backward: a saved cast
+        # would hold a second copy of the weight until backward
+        ctx.save_for_backward(shard.detach().to(out.dtype), weight)
         ctx.group, ctx.transposed, ctx.axis = group, transposed, SEQUENCE_AXIS % shard.dim()
         ctx.dtypes = (shard.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        shard, w = ctx.saved_tensors
+        shard, weight = ctx.saved_tensors
         group, axis = ctx.group, ctx.axis
-        grad = grad.to(w.dtype)
+        w = weight.to(shard.dtype)
+        grad = grad.to(shard.dtype)
         parts = [torch.empty_like(shard) for _ in range(_comm.group_size(group))]
         gathering = dist.all_gather(parts, shard.contiguous(), group=group, async_op=True)
         grad_input = grad.matmul(w.t() if ctx.transposed else w).to(ctx.dtypes[0])

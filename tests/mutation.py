@@ -241,8 +241,8 @@ NAMED = (
              ("tests/test_sequence_parallel.py::test_a_single_consumer_overlaps_its_backward_collectives_and_matches_"
               "the_plain_model",)),
     Mutation("the overlapped linear layer keeps the gathered input alive for backward", "slapo_tune/parallelize.py",
-             "        ctx.save_for_backward(shard.detach().to(dtype), w)",
-             "        ctx.save_for_backward(shard.detach().to(dtype), w)\n        ctx.kept = x",
+             "        ctx.save_for_backward(shard.detach().to(out.dtype), weight)",
+             "        ctx.save_for_backward(shard.detach().to(out.dtype), weight)\n        ctx.kept = whole",
              ("tests/test_sequence_parallel.py::test_sequence_parallel_keeps_a_tp_shard_of_the_replicated_activations",)),
     Mutation("selective recomputation saves nothing (recomputes as full does)", "slapo_tune/_state.py",
              "    return CheckpointPolicy.MUST_SAVE if op in _SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE",
