@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from . import _comm
@@ -30,7 +31,8 @@ from ._partition import (  # noqa: F401  (re-exported)
 )
 from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
 from ._schedule import Schedule, state_of
-from ._sharding import rule_for
+from ._sharding import LinearRule, is_conv1d, rule_for
+from ._state import _ensure_forward_patched
 from ._vocab_loss import mark_loss_parallel
 from .errors import ScheduleError
 from .styles import (  # noqa: F401  (re-exported)
@@ -176,12 +178,21 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
         return x
     whole = _comm.gather_reduce(x, SEQUENCE_AXIS, group)
     key = id(whole)
-    _GATHERED[key] = (weakref.ref(whole, lambda _, key=key: _GATHERED.pop(key, None)), x.detach(), group)
+    _GATHERED[key] = (weakref.ref(whole, lambda _, key=key: _GATHERED.pop(key, None)), x, group)
     return whole
 
 
-# id(gathered tensor) -> (weak reference to it, this rank's shard, group), while it lives
+# id(gathered tensor) -> (weak reference to it, this rank's shard as gathered, with its autograd history,
+# group), while it lives
 _GATHERED: dict[int, tuple[weakref.ref, torch.Tensor, object]] = {}
+
+
+def _gathered_from(t: torch.Tensor) -> tuple[torch.Tensor, object] | None:
+    """(this rank's shard, group) of ``t`` if ``t`` is the output of :func:`gather_sequence`, alive."""
+    entry = _GATHERED.get(id(t))
+    if entry is None or entry[0]() is not t:
+        return None
+    return entry[1], entry[2]
 
 
 @dataclass(frozen=True)
@@ -200,7 +211,7 @@ def _pack_gathered(t: torch.Tensor):
     entry = _GATHERED.get(id(base))
     if entry is None or entry[0]() is not base:
         return t
-    return _Regather(entry[1], entry[2], t.size(), t.stride(), t.storage_offset())
+    return _Regather(entry[1].detach(), entry[2], t.size(), t.stride(), t.storage_offset())
 
 
 def _unpack_gathered(packed):
@@ -219,6 +230,96 @@ def sequence_parallel_activations():
     copy, not the gathered tensor, and is kept as it is. The training step runs every forward
     under this context; it does nothing where nothing was gathered."""
     return torch.autograd.graph.saved_tensors_hooks(_pack_gathered, _unpack_gathered)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """A column-parallel linear layer fed by a sequence gather, with Megatron's overlap of its
+    backward communication (``LinearWithGradAccumulationAndAsyncCommunication``, sequence parallel).
+
+    Forward multiplies the gathered input (``whole``, computed by the region's gather and used here
+    without its autograd history) and saves only this rank's ``shard``. Backward launches the
+    all-gather of the shard asynchronously and computes the input gradient meanwhile, then launches
+    the reduce-scatter of the input gradient asynchronously and computes the weight gradient
+    meanwhile: two of the region's three backward collectives run beside a product (under NCCL on
+    their own stream; gloo runs asynchronous work on its own threads). The gradient goes to the
+    shard directly, so the gather's own backward reduce-scatter never runs for this consumer.
+
+    ``transposed``: the weight is stored ``[in, out]`` (Hugging Face's Conv1D). Under autocast the
+    products run in its dtype, as ``F.linear`` would, and the saved shard is that dtype's copy.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, whole, weight, bias, group, transposed):
+        # under autocast the product casts its operands (the weight's cast from autocast's cache)
+        if not transposed:
+            out = F.linear(whole, weight, bias)
+        else:  # as Conv1D computes it
+            flat = whole.reshape(-1, whole.shape[-1])
+            out = (flat.matmul(weight) if bias is None else torch.addmm(bias, flat, weight))
+            out = out.view(*whole.shape[:-1], weight.shape[-1])
+        # the shard in the product's dtype: what autocast's cast of the gathered input holds, of this
+        # rank's tokens; the weight itself (a parameter), cast again in backward: a saved cast
+        # would hold a second copy of the weight until backward
+        ctx.save_for_backward(shard.detach().to(out.dtype), weight)
+        ctx.group, ctx.transposed, ctx.axis = group, transposed, SEQUENCE_AXIS % shard.dim()
+        ctx.dtypes = (shard.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        group, axis = ctx.group, ctx.axis
+        w = weight.to(shard.dtype)
+        grad = grad.to(shard.dtype)
+        parts = [torch.empty_like(shard) for _ in range(_comm.group_size(group))]
+        gathering = dist.all_gather(parts, shard.contiguous(), group=group, async_op=True)
+        grad_input = grad.matmul(w.t() if ctx.transposed else w).to(ctx.dtypes[0])
+        gathering.wait()
+        total = torch.cat(parts, dim=axis)
+        chunks = [c.contiguous() for c in grad_input.chunk(len(parts), dim=axis)]
+        grad_shard = torch.empty_like(chunks[0])
+        scattering = dist.reduce_scatter(grad_shard, chunks, group=group, async_op=True)
+        grad_weight = grad_bias = None
+        flat_grad, flat_total = grad.reshape(-1, grad.shape[-1]), total.reshape(-1, total.shape[-1])
+        if ctx.needs_input_grad[2]:
+            product = flat_total.t().matmul(flat_grad) if ctx.transposed else flat_grad.t().matmul(flat_total)
+            grad_weight = product.to(ctx.dtypes[1])
+        if ctx.needs_input_grad[3]:
+            grad_bias = flat_grad.sum(0).to(ctx.dtypes[2])
+        scattering.wait()
+        return grad_shard, None, grad_weight, grad_bias, None, None
+
+
+def overlapped_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a region's single column-parallel consumer (see :func:`apply_sequence_parallel`):
+    :class:`_GatheredLinear` when ``x`` is the region's gathered input and gradients are on; else
+    the layer's own forward (no gather happened: a dry run with communication disabled, inference,
+    or another input)."""
+    found = _gathered_from(x) if torch.is_grad_enabled() else None
+    if found is None:
+        return type(module).forward(module, x)
+    shard, group = found
+    return _GatheredLinear.apply(shard, x.detach(), module.weight, module.bias, group, is_conv1d(module))
+
+
+def _single_column_parallel_consumer(region: Schedule) -> Schedule | None:
+    """The one column-parallel linear layer under a region that gathers the sequence (the region's
+    node itself when it is the layer), or None when there are several (separate Q, K and V read the
+    gathered input each: they keep sharing one reduce-scatter, the gather's backward) or the layer
+    is traced through (a decomposed layer's product is part of its parent's graph, not a call)."""
+    found = []
+    for _, node in region.named_schedules():
+        st = state_of(node.mod)
+        rule = rule_for(node.mod)
+        spec = st.shards.get("weight") if st is not None else None
+        if isinstance(rule, LinearRule) and spec is not None and spec.axis == rule.out_axis["weight"]:
+            found.append(node)
+    if len(found) != 1:
+        return None
+    st = state_of(found[0].mod)
+    if st.decomposed or st.compute is not None:
+        return None
+    return found[0]
 
 
 def _syncs(node: Schedule) -> tuple[list, list]:
@@ -256,7 +357,11 @@ def apply_sequence_parallel(blocks: Sequence[Schedule]) -> None:
     the blocks runs on the whole sequence as before. Parameters the shards meet (norm weights and
     biases, row-parallel biases) get partial gradients: they are annotated
     ``sequence_partial`` and the training step sums them over the group
-    (:func:`reduce_sequence_partial_gradients`). Does nothing on one rank.
+    (:func:`reduce_sequence_partial_gradients`). A region whose gathered input feeds one
+    column-parallel linear layer (a fused QKV or gate/up projection, GPT-2's ``c_attn``) runs it with
+    Megatron's overlap of the backward communication with its products
+    (:class:`_GatheredLinear`); regions with several keep the gather's own backward. Does nothing on
+    one rank.
     """
     if not blocks or blocks[0].world_size == 1:
         return
@@ -279,6 +384,11 @@ def apply_sequence_parallel(blocks: Sequence[Schedule]) -> None:
     blocks[-1].sync("fwd_post", "all_gather", axis=SEQUENCE_AXIS)
     for block in blocks:
         _mark_sequence_partial(block)
+        for _, region in list(block.named_schedules()):
+            consumer = _single_column_parallel_consumer(region) if _gathers_sequence(region) else None
+            if consumer is not None:
+                state_of(consumer.mod).compute = overlapped_linear_forward
+                _ensure_forward_patched(consumer.mod)
     blocks[0].root.mod.__dict__[SEQUENCE_SHARDS] = blocks[0].world_size
 
 

@@ -41,6 +41,8 @@ VERIFY = [
     ("llama-tiny", None, "bf16", "tp=2,sp=on,fuse=on,micro_batch=2"),  # fp32 master gradients
     ("qwen2", "generic", "fp32", "tp=2,sp=on"),  # llama's template claims qwen2: the generic one forced
     ("qwen2", "generic", "fp32", "tp=2,sp=on,attn=eager,ckpt_ratio=1.0,zero=3"),  # FSDP's DTensor gradients
+    # llama's template: the fused, biased QKV projection overlaps its backward collectives under FSDP
+    ("qwen2", "llama", "fp32", "tp=2,sp=on,fuse=on,ckpt_ratio=0.5,zero=3"),
     ("opt-tiny", None, "fp32", "tp=2,sp=on"),  # flattens [b*s, h] before its MLP
     ("bert-tiny", None, "fp32", "tp=2,sp=on"),
     # pipelines (dp=1): the hidden state crossing stages is the shard; later stages number s positions
@@ -68,8 +70,12 @@ def _memory_spec() -> ProblemSpec:
 
 
 def _memory_points() -> list[dict]:
+    """sp off and on, unfused (both regions' single column-parallel layers save their input as the
+    shard in :class:`~slapo_tune.parallelize._GatheredLinear`), then fused (c_fc decomposed into the
+    MLP's graph: its input kept as the shard by ``sequence_parallel_activations``)."""
     problem = _memory_spec().resolve()
-    return [problem.plan({"tp": 2, "sp": sp, "pp": 1, "micro_batch": MEMORY_MICRO_BATCH}).knobs() for sp in ("off", "on")]
+    return [problem.plan({"tp": 2, "sp": sp, "pp": 1, "micro_batch": MEMORY_MICRO_BATCH, "fuse": fuse}).knobs()
+            for fuse in ("off", "on") for sp in ("off", "on")]
 
 
 @pytest.fixture(scope="module")
@@ -136,16 +142,18 @@ def _sharded_activation_bytes() -> tuple[int, int]:
 def test_sequence_parallel_keeps_a_tp_shard_of_the_replicated_activations(sp_suite):
     """tp=2: the measured peak's activations shrink by at least (1 - 1/t) of the replicated part
     (b=4, s=64, h=64, 4 layers: 24bsh + 16bs = 397,312 bytes a layer, 1,589,248 in all, so at
-    least 794,624 bytes less), and by no more than 3 % beyond it (nothing else is sharded)."""
+    least 794,624 bytes less), and by no more than 3 % beyond it (nothing else is sharded);
+    unfused and fused (the two ways a region input is kept as the shard, see _memory_points)."""
     _, results = sp_suite
-    off, on = ([r["memory"][i] for r in results] for i in range(2))
     t = 2
     replicated = _sharded_activation_bytes()
-    saved_activations = min(a["activations"] for a in off) - max(a["activations"] for a in on)
-    saved_peak = min(a["total"] for a in off) - max(a["total"] for a in on)
     expected = (1 - 1 / t) * replicated
-    assert expected <= saved_activations <= 1.03 * expected, (saved_activations, expected)
-    assert expected <= saved_peak <= 1.03 * expected, (saved_peak, expected)
+    for fused in (0, 2):  # unfused, fused: the pairs (sp off, sp on) of _memory_points
+        off, on = ([r["memory"][i] for r in results] for i in (fused, fused + 1))
+        saved_activations = min(a["activations"] for a in off) - max(a["activations"] for a in on)
+        saved_peak = min(a["total"] for a in off) - max(a["total"] for a in on)
+        assert expected <= saved_activations <= 1.03 * expected, (fused, saved_activations, expected)
+        assert expected <= saved_peak <= 1.03 * expected, (fused, saved_peak, expected)
 
 
 def test_exact_mode_predicts_the_sequence_parallel_peak(sp_suite):
@@ -154,7 +162,7 @@ def test_exact_mode_predicts_the_sequence_parallel_peak(sp_suite):
     _, results = sp_suite
     model = CostModel(_memory_spec().resolve(), hardware("cpu"))
     predicted = []
-    for i, point in enumerate(_memory_points()):
+    for i, point in enumerate(_memory_points()[:2]):
         measured = max(r["memory"][i]["total"] for r in results)
         exact = model.exact(point)[0]
         assert abs(exact.total - measured) <= 0.03 * measured, (point["sp"], exact.total, measured)
@@ -242,3 +250,41 @@ def test_sequence_parallelism_needs_the_sequence_parallel_tensor_plan(fake_group
 def test_without_torch_distributed_the_sequence_gather_is_the_identity():
     x = torch.randn(2, 4, 3, requires_grad=True)
     assert gather_sequence(x, None) is x
+
+
+# ------------------------------------------------------------------ Megatron's backward overlap
+# (model, knobs, regions per block whose gathered input feeds one column-parallel layer): tp=2 on two
+# ranks, two micro-batches. Llama's Q, K, V and gate, up read the gathered input each unless fused;
+# GPT-2's c_attn is one layer, and its c_fc too unless fuse=on decomposes it into its MLP's graph
+OVERLAP = [
+    ("llama-tiny", "fp32", "tp=2,sp=on,fuse=on,micro_batch=1", 2),
+    ("llama-tiny", "bf16", "tp=2,sp=on,fuse=on,micro_batch=1,ckpt_ratio=1.0", 2),
+    ("llama-tiny", "fp32", "tp=2,sp=on,fuse=off,micro_batch=1", 0),
+    ("gpt2-tiny", "fp32", "tp=2,sp=on,fuse=off,micro_batch=1", 2),
+    ("gpt2-tiny", "fp32", "tp=2,sp=on,fuse=on,micro_batch=1,ckpt_ratio=0.5,ckpt_policy=selective", 1),
+]
+OVERLAP_BATCH = 2
+
+
+def test_a_single_consumer_overlaps_its_backward_collectives_and_matches_the_plain_model():
+    """Where a region's gathered input feeds one column-parallel layer, its backward issues the
+    re-gather and the reduce-scatter asynchronously (counted at torch.distributed's functions):
+    one of each per such region and micro-batch, none where several layers share the input; loss
+    and gradients still match the unscheduled model (checkpointed, selective and bf16 too)."""
+    from _sp_workers import count_async_collectives
+
+    cases = []
+    for model, precision, knobs, _ in OVERLAP:
+        spec = ProblemSpec(model, 2, global_batch=OVERLAP_BATCH, seq_len=SEQ, precision=precision)
+        cases.append(((model, precision, knobs), spec, spec.resolve().plan(knobs).knobs()))
+    results = launch(count_async_collectives, 2, args=(cases,), timeout=600)
+    for (_, precision, _, regions), (key, spec, _) in zip(OVERLAP, cases):
+        layers = spec.model_spec.build("meta").config.num_hidden_layers
+        for rank in results:
+            got = rank[key]
+            assert got["verify"]["ok"], (key, got["verify"]["report"])
+            limit = 1e-4 if precision == "fp32" else 0.1
+            assert got["verify"]["max_grad_error"] < limit and got["verify"]["loss_error"] < limit, key
+            expected = regions * layers * OVERLAP_BATCH
+            assert got["all_gather"] == got["reduce_scatter"] == expected, (key, got["all_gather"],
+                                                                            got["reduce_scatter"], expected)

@@ -267,3 +267,47 @@ def test_hardware_presets_are_data_with_sources(tmp_path):
         path.write_text(json.dumps({"presets": {"b200": entry}}))
         with pytest.raises(ValueError, match="b200 needs"):
             load_presets(path)
+
+
+def _sp_tp_comm(problem, hw, fuse: str, sp: str = "on") -> float:
+    point = problem.plan(dict(tp=4, pp=1, dp=problem.workload.world_size // 4, zero=1, micro_batch=1, ckpt_ratio=0.0, sp=sp,
+                              fuse=fuse))
+    return CostModel(problem, hw).time(point).breakdown["tp_comm"]
+
+
+def test_a_fused_projection_hides_its_backward_regather_and_reduce_scatter_behind_its_products():
+    """Sequence parallelism on GPUs, tp=4 inside a node: Megatron's overlap (the runtime's
+    _GatheredLinear) hides a fused projection's backward re-gather behind its input-gradient
+    product and its reduce-scatter behind its weight-gradient product. A micro-batch's all-gather
+    and reduce-scatter of a block's [b, s, h] bf16 input each take (tp - 1) latencies and
+    (tp - 1) / tp of its bytes over NVLink (alpha-beta); Llama-70B's products at s = 4096 outlast
+    them, so fuse=on saves 4 of them per block and micro-batch (QKV, gate/up), GPT-3's ungated MLP
+    2 (only the QKV projection is one layer more under fusion). Where the link is 10^4 times
+    slower, only each product's own time is saved (two products of each fused layer, the compute
+    model's seconds). Nothing moves with sp off, nor on a CPU, whose collectives share the cores."""
+    from dataclasses import replace
+
+    from slapo_tune.cost_model._time import gemm_seconds
+
+    h100 = hardware("h100-80gb")
+    llama = ProblemSpec("llama-70b", 8, seq_len=4096, global_batch=8, precision="bf16", device="cuda").resolve()
+    gpt = _gpt(8, 12288, 96, 8, 8)
+    for problem, regions in ((llama, 2), (gpt, 1)):
+        config = problem.model.build("meta").config
+        layers, m, s = config.num_hidden_layers, 4, problem.workload.seq_len
+        collective = 3 * h100.latency + 3 / 4 * s * config.hidden_size * 2 / h100.intra_bandwidth
+        saved = _sp_tp_comm(problem, h100, "off") - _sp_tp_comm(problem, h100, "on")
+        assert saved == pytest.approx(2 * regions * collective * layers * m, rel=1e-9), problem.model.name
+        assert _sp_tp_comm(problem, h100, "off", "off") == _sp_tp_comm(problem, h100, "on", "off")
+
+    slow = replace(h100, intra_bandwidth=h100.intra_bandwidth / 1e4)
+    config = llama.model.build("meta").config
+    h, q = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    product = sum(gemm_seconds(slow, 4096, h, n / 4, 2, ranks=8, linear=True)
+                  for n in (q + 2 * kv, 2 * config.intermediate_size))
+    saved = _sp_tp_comm(llama, slow, "off") - _sp_tp_comm(llama, slow, "on")
+    assert saved == pytest.approx(2 * product * config.num_hidden_layers * 4, rel=1e-9)
+
+    cpu = ProblemSpec("llama-tiny", 8, seq_len=64, global_batch=8).resolve()
+    assert _sp_tp_comm(cpu, hardware("cpu"), "off") == _sp_tp_comm(cpu, hardware("cpu"), "on")

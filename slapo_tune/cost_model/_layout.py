@@ -56,7 +56,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 6  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 8  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config: Any, template: Template) -> ModelLayout:

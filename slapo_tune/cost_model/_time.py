@@ -288,23 +288,30 @@ def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, 
                  level, stage_params)
 
 
+def _block_linears(layout: ModelLayout, hw: Hardware, step: _Step) -> tuple[Any, Any, Any, Any]:
+    """Seconds of one product of each of a block's linear layers on a micro-batch: the QKV
+    projection, the attention's output projection, the MLP's first (gated: gate and up) and last
+    layers; each of their two backward products (input and weight gradients) has the same
+    dimensions, so takes as long. In FP8 under precision fp8 (the LM head and the attention core
+    stay in bf16)."""
+    q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
+    width = layout.intermediate * (2 if layout.gated_mlp else 1)
+    tp, tokens = step.tp, step.tokens
+    linear = functools.partial(gemm_seconds, hw, dtype_bytes=step.B, ranks=step.world, fp8=step.mode.fp8, linear=True)
+    return (linear(tokens, layout.hidden, (q + 2 * kv) / tp), linear(tokens, q / tp, layout.hidden),
+            linear(tokens, layout.hidden, width / tp), linear(tokens, layout.intermediate / tp, layout.hidden))
+
+
 def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
                    step: _Step) -> tuple[Any, Any, Any, Any, Any]:
     """:func:`time_columns`' compute, attention, elementwise, overhead and grad_accumulation."""
-    mode, tp, cp, b, s, B, m, sp = step.mode, step.tp, step.cp, step.b, step.s, step.B, step.m, step.sp
+    tp, cp, b, s, B, m, sp = step.tp, step.cp, step.b, step.s, step.B, step.m, step.sp
     gpu, per_stage, ckpt, tokens, world, bandwidth = step.gpu, step.per_stage, step.ckpt, step.tokens, step.world, \
         step.bandwidth
     slots, level, stage_params = step.slots, step.level, step.stage_params
     selective = point["ckpt_policy"] == "selective"
-    q, kv = layout.heads * layout.head_dim, layout.kv_heads * layout.head_dim
-    width = layout.intermediate * (2 if layout.gated_mlp else 1)
     gemm = functools.partial(gemm_seconds, hw, dtype_bytes=B, ranks=world)
-    # the blocks' linear layers (forward and both backward products) in FP8 under precision fp8;
-    # the LM head and the attention core in bf16
-    linear_gemm = functools.partial(gemm, fp8=mode.fp8, linear=True)
-    block_gemms = (linear_gemm(tokens, layout.hidden, (q + 2 * kv) / tp) + linear_gemm(tokens, q / tp, layout.hidden)
-                   + linear_gemm(tokens, layout.hidden, width / tp)
-                   + linear_gemm(tokens, layout.intermediate / tp, layout.hidden))
+    block_gemms = sum(_block_linears(layout, hw, step))
     vocab = (layout.pre_sharded if layout.tied_head else layout.post_sharded) / layout.hidden
     head_gemm = gemm(tokens, layout.hidden, vocab / tp, linear=True)
     heads = layout.heads / tp
@@ -357,7 +364,19 @@ def _communication_terms(layout: ModelLayout, point: Mapping[str, Any], hw: Hard
     # (the mesh is (pp, dp, tp)): inside a node unless tp is larger
     scatter = _ring(act_bytes, tp, hw) if hw.cores else _ring(act_bytes, tp, hw, "reduce_scatter")
     gather = _ring(act_bytes, tp, hw, "all_gather")
-    tp_comm = choose(sp, slots * per_stage * (6 * gather + 4 * scatter), slots * per_stage * 4 * _ring(act_bytes, tp, hw))
+    # On a GPU a region whose gathered input feeds one column-parallel layer runs Megatron's
+    # overlap (slapo_tune.parallelize._GatheredLinear): its backward re-gather runs beside the
+    # layer's input-gradient product and its reduce-scatter beside the weight-gradient product, so
+    # only what outlasts the product is charged. Fusion makes the consumer single: the fused QKV
+    # projection, and a gated MLP's fused gate and up; other layouts' single layers are not counted
+    # (GPT-2's MLP under fuse=on is traced into its graph and keeps the plain gather). A CPU's
+    # collectives run on the same cores as the products: nothing is hidden there
+    qkv, _, mlp_in, _ = _block_linears(layout, hw, step)
+    fused = gpu & (point["fuse"] == "on")
+    single = [(fused, qkv), (fused & layout.gated_mlp, mlp_in)]
+    hidden = sum(choose(one, _min(gather, product) + _min(scatter, product), 0.0) for one, product in single)
+    tp_comm = choose(sp, slots * per_stage * (6 * gather + 4 * scatter - hidden),
+                     slots * per_stage * 4 * _ring(act_bytes, tp, hw))
     # the last stage's LM head all-gathers each micro-batch's logits over the vocabulary; under
     # loss_parallel they stay sharded and the loss all-reduces three numbers per token instead
     sharded_loss = (tp > 1) & (point["loss_parallel"] == "on")
