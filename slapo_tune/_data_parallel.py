@@ -9,10 +9,15 @@ tensor-parallel local parameters as plain tensors and shards them over dp. At ev
 parameters, gradients and optimizer state are sharded *between* steps (FSDP2 keeps only shards);
 the levels differ in what is whole during a step, as ZeRO's stages do:
 
-* **1** (optimizer state): one FSDP unit for the whole stage, kept gathered from forward through
-  backward. Every parameter is whole during the step and so is every gradient, until one
-  reduce-scatter at the end of the step (the runtime turns FSDP's gradient sync off for all but the
-  last micro-batch): ZeRO-1's memory, with one all-gather and one reduce-scatter per step.
+* **1** (optimizer state): one unit per block, kept gathered from forward through backward
+  (``reshard_after_forward=False``); the runtime turns gradient sync and resharding after backward
+  off for all but the step's last micro-batch. Every parameter stays whole during the step and so
+  does every gradient, fp32 once accumulated, until the last micro-batch's backward
+  reduce-scatters them block by block: ZeRO-1's memory, with one all-gather and one
+  reduce-scatter per block per step. Units per block rather than one for the stage because FSDP
+  upcasts a unit's gradients to its reduce dtype in the unit's post-backward: a block's bf16
+  gradients go as soon as its backward ends (Megatron's fp32 ``main_grad`` accumulation), instead
+  of every bf16 gradient of the stage living until the whole backward ends.
 * **2** (and gradients): one unit per block, kept gathered from forward through backward
   (``reshard_after_forward=False``); each block's gradients are reduce-scattered as soon as its
   backward ends, every micro-batch, so no whole gradient of the model is ever alive.
@@ -21,8 +26,8 @@ the levels differ in what is whole during a step, as ZeRO's stages do:
 
 ``ZeroRedundancyOptimizer`` is not used for level 1: it shards whole parameters unevenly, steps
 replicated parameters (so bf16 training would keep every fp32 master weight on every rank) and
-broadcasts each updated parameter; FSDP2 with one unit gives ZeRO-1's memory with one collective
-each way, shares the state-dict and mixed-precision path of levels 2 and 3, and lets the pipeline
+broadcasts each updated parameter; FSDP2 gives ZeRO-1's memory with one collective each way per
+block, shares the state-dict and mixed-precision path of levels 2 and 3, and lets the pipeline
 schedule handle every level alike. Under pipelining (pp > 1), torch's schedule turns gradient sync
 and resharding after backward off until the step's last backward at every level (see
 docs/cost-model.md): gradients and parameters of the stage stay whole until then.
@@ -82,18 +87,17 @@ def largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 def shard_data_parallel(stage: nn.Module, blocks: Iterable[nn.Module], mesh, level: int = 3,
                         mp_policy=None) -> None:
     """Shard ``stage`` over the data-parallel ``mesh`` at ZeRO ``level`` 1, 2 or 3 (FSDP2; see the
-    module docstring). ``blocks`` are the stage's repeated blocks (their own units at levels 2 and
-    3); the stage root takes what is left (embeddings, norms, head). ``mp_policy``: FSDP2's
+    module docstring). ``blocks`` are the stage's repeated blocks (their own units at every level);
+    the stage root takes what is left (embeddings, norms, head). ``mp_policy``: FSDP2's
     ``MixedPrecisionPolicy`` (None: compute in the parameters' dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if level not in ZERO_STAGES[1:]:
         raise ValueError(f"sharded data parallelism has levels 1, 2, 3; got {level}")
     options = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
-    if level >= 2:
-        for block in blocks:
-            if any(True for _ in block.parameters()):
-                fully_shard(block, reshard_after_forward=level == 3, **options)
+    for block in blocks:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, reshard_after_forward=level == 3, **options)
     # the root (embeddings, final norm, head) stays gathered from forward to backward at every level:
     # backward starts with the head, so resharding it after forward would only gather it again
     fully_shard(stage, reshard_after_forward=False, **options)

@@ -2,8 +2,8 @@
 precision.
 
 A single stage (``pp=1``) runs its micro-batches in a plain loop (forward, loss, backward each), so
-FSDP reduce-scatters each micro-batch's gradients as its backward ends (ZeRO levels 2 and 3) or
-once at the end of the step (level 1). Several stages run a ``torch.distributed.pipelining``
+FSDP reduce-scatters each micro-batch's gradients block by block as its backward ends (ZeRO levels
+2 and 3) or the last micro-batch's only, accumulated (level 1). Several stages run a ``torch.distributed.pipelining``
 schedule (GPipe or 1F1B; interleaved 1F1B when each rank holds several stages), which defers FSDP's
 gradient sync to the step's last backward at every level. Either way each micro-batch's loss is divided by the micro-batch count before its backward,
 so gradients accumulate to the mean; then tied weights across stages are summed and replicated
@@ -485,9 +485,10 @@ class TrainStep:
         return loss
 
     def _accumulate(self, ids: torch.Tensor, labels: torch.Tensor, losses: list[torch.Tensor]) -> None:
-        """One stage: forward, loss and backward per micro-batch. ZeRO-1 keeps its one unit gathered
-        and its gradients whole until the last micro-batch (one reduce-scatter per step); levels 2
-        and 3 reduce-scatter every micro-batch's gradients block by block."""
+        """One stage: forward, loss and backward per micro-batch. ZeRO-1 keeps its units (the
+        blocks, the root) gathered and their gradients whole until the last micro-batch, whose
+        backward reduce-scatters them block by block (one per unit per step); levels 2 and 3
+        reduce-scatter every micro-batch's gradients block by block."""
         n = self.n_microbatches
         for i, (x, y) in enumerate(zip(ids.chunk(n), labels.chunk(n), strict=True)):
             if self.model.zero == 1:

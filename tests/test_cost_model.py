@@ -269,11 +269,12 @@ def test_zero_levels_under_a_pipeline_match_exact_mode(precision, schedule, devi
 def test_llama70b_gradients_and_gathered_weights_follow_the_zero_level_and_the_pipeline(zero):
     """bf16 over tp=4, bytes per parameter of a stage. One stage: level 1 accumulates whole fp32
     gradients (4) across micro-batches, the stage gathered in bf16 (2), and at the end of a
-    backward that backward's own bf16 gradients (2) beside them until FSDP upcasts them; levels 2
-    and 3 keep fp32 gradient shards (4 / dp). Four stages: the schedule defers reduction and
-    resharding to the step's last backward at every level, so every level holds what level 1
-    does. The step's reduce-scatter at level 1: an fp32 input (4) and output (4 / dp) beside the
-    gradients it is copied from (NCCL), or once they are freed, gloo's full-size copy of the input."""
+    backward the stage root's bf16 gradients (2) beside them until FSDP upcasts them (a block's
+    were upcast as its own backward ended); levels 2 and 3 keep fp32 gradient shards (4 / dp).
+    Four stages: the schedule defers reduction and resharding to the step's last backward at every
+    level, so every level holds what level 1 does. The step's reduce-scatters, block by block: a
+    block's fp32 input (4) beside the gradients it is copied from (NCCL), or once they are freed,
+    its output (4 / dp) and gloo's full-size copy of the input."""
     workload = Workload(64, 512, 4096, "bf16")
     model = CostModel(_problem("llama-70b", workload).resolve(), hardware("a100-80gb"))
     for pp in (1, 4):
@@ -283,18 +284,25 @@ def test_llama70b_gradients_and_gathered_weights_follow_the_zero_level_and_the_p
         for backend in ("nccl", "gloo"):
             for st in memory_terms(model.layout, point, workload, backend):
                 params = _closed_form_llama_params(st.stage, pp, 4)
+                root = _closed_form_llama_params(st.stage, pp, 4, layers=0)  # embedding, final norm, head
+                block = _closed_form_llama_params(1, 3, 4, layers=3)  # one block of the middle stage of 3
                 later = st.events["backward_start"]  # a later micro-batch's: gradients accumulated
                 assert later["gradients"] == pytest.approx(4 * params / (1 if whole else dp)), (pp, st.stage)
                 if not whole:
                     continue
+                # the last stage's head and final norm make their gradients first; a block's are
+                # upcast as its backward ends: the running block's and the head's stay bf16 (2)
+                head = 32000 * 8192 / 4 + 8192 if st.stage == pp - 1 else 0.0
+                assert later["grads_unsharded"] == pytest.approx(2 * (block + head))
                 end = st.events["backward_end"]
                 assert end["gradients"] == pytest.approx(4 * params) and end["gathered"] == pytest.approx(2 * params)
-                assert end["grads_unsharded"] == pytest.approx(2 * params)
+                assert end.get("grads_unsharded", 0.0) == pytest.approx(2 * root)
                 if zero == 1:
                     sync = st.events["gradient_sync"]
-                    assert sync["rs_buffer"] == pytest.approx(4 * params * (1 + 1 / dp if backend == "gloo" else 1))
-                    kept = {"gloo": ("rs_copy", "gradients"), "nccl": ("gradients", "rs_copy")}[backend]
-                    assert sync[kept[0]] == pytest.approx(4 * params) and not sync.get(kept[1])
+                    assert sync["rs_buffer"] == pytest.approx(4 * block * (1 + 1 / dp if backend == "gloo" else 1))
+                    gloo = backend == "gloo"
+                    assert sync.get("rs_copy", 0.0) == pytest.approx(4 * block if gloo else 0.0)
+                    assert sync["gradients"] == pytest.approx(4 * (params - block if gloo else params))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

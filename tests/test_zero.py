@@ -58,9 +58,9 @@ def test_each_zero_level_keeps_less_and_exact_mode_predicts_it(zero_steps, preci
 
 
 def test_each_level_gathers_and_reduces_as_often_as_zero_says():
-    """dp=2, two micro-batches per rank, gpt2-tiny (4 blocks + the root: 5 units at levels 2-3).
-    Level 1 keeps its one unit gathered and its gradients whole across the micro-batches: one
-    all-gather and one reduce-scatter per step. Level 2 gathers each unit once per micro-batch and
+    """dp=2, two micro-batches per rank, gpt2-tiny (4 blocks + the root: 5 units at every level).
+    Level 1 keeps its units gathered and their gradients whole across the micro-batches: one
+    all-gather and one reduce-scatter per unit per step. Level 2 gathers each unit once per micro-batch and
     reduce-scatters each micro-batch's gradients; level 3 also gathers every block again for its
     backward (the root stays gathered)."""
     from _zero_workers import count_collectives
@@ -71,7 +71,7 @@ def test_each_level_gathers_and_reduces_as_often_as_zero_says():
     assert problem.plan(points[0]).accumulation == 2
     per_rank = launch(count_collectives, 2, args=(spec, points), timeout=600)
     micro_batches, units, blocks = 2, 5, 4
-    expected = [{"all_gather": 1, "reduce_scatter": 1},
+    expected = [{"all_gather": units, "reduce_scatter": units},
                 {"all_gather": micro_batches * units, "reduce_scatter": micro_batches * units},
                 {"all_gather": micro_batches * (units + blocks), "reduce_scatter": micro_batches * units}]
     assert per_rank == [expected, expected]
@@ -99,3 +99,31 @@ def test_master_weights_accumulate_in_fp32_and_publish_bf16():
         masters.master(layer.weight).add_(1.0)
     masters.publish()
     assert torch.equal(layer.weight, (fp32.weight + 1.0).bfloat16())
+
+
+def test_zero1_upcasts_each_blocks_bf16_gradients_as_its_backward_ends():
+    """bf16 parameters, dp=2, two micro-batches per rank: ZeRO-1's bf16 gradients (``.grad`` of the
+    gathered parameters, read as autograd writes them) never outgrow one block's and the root's
+    (embeddings, final norm: theirs wait for the end of the backward), where one unit for the stage
+    kept every block's until the backward ended (replicated master weights take each bf16 gradient
+    as it is made: none stays); the losses of three steps match replicated data
+    parallelism (zero=0, fp32 master weights) to bf16 rounding."""
+    from _zero_workers import bf16_gradients_alive
+
+    from slapo_tune._data_parallel import largest_module_list
+
+    spec = ProblemSpec("gpt2-tiny", 2, model_overrides={"n_layer": 6, "vocab_size": 512}, global_batch=8,
+                       seq_len=16, precision="bf16")
+    problem = spec.resolve()
+    points = [problem.plan({"tp": 1, "pp": 1, "zero": z, "micro_batch": 2}).knobs() for z in (1, 0)]
+    assert problem.plan(points[0]).accumulation == 2
+    zero_1, replicated = launch(bf16_gradients_alive, 2, args=(spec, points), timeout=600)[0]
+    model = spec.model_spec.build("meta")
+    _, blocks = largest_module_list(model)
+    block = max(sum(p.numel() for p in b.parameters()) for b in blocks) * 2
+    stage = sum(p.numel() for p in model.parameters()) * 2
+    root = stage - len(blocks) * block
+    assert len(blocks) == 6 and root > 0
+    # one unit for the stage: every gradient bf16 until the backward ends (all the stage's bytes)
+    assert block <= zero_1["peak_bf16_grads"] <= block + root < stage, (zero_1["peak_bf16_grads"], root, block)
+    torch.testing.assert_close(zero_1["losses"], replicated["losses"], rtol=2e-2, atol=0)

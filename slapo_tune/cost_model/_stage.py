@@ -54,12 +54,12 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     Model states follow :func:`model_state_bytes`. During the step, data parallelism adds what
     its ZeRO level keeps (see :mod:`slapo_tune._data_parallel`): level 0 averages whole fp32
     gradients through flat buckets; FSDP (levels 1-3) gathers parameters in the compute dtype and
-    reduce-scatters fp32 gradients through a flat input buffer per unit (the whole stage at level
-    1, a block at levels 2 and 3). Level 1 keeps the stage gathered and its gradients whole until
-    the step's one reduce-scatter; level 2 keeps the stage gathered from forward to the end of each
-    micro-batch's backward, reducing block by block; level 3 gathers a block at a time (and
-    prefetches the next). Under pipelining the schedule defers every level's reduction and
-    resharding to the step's last backward. ``backend`` ``gloo`` also counts the full-size copy gloo
+    reduce-scatters fp32 gradients through a flat input buffer per unit (a block, or the stage
+    root). Level 2 keeps the stage gathered from forward to the end of each micro-batch's backward,
+    reducing block by block; level 1 is level 2 with the reduction and resharding deferred to the
+    step's last backward (gradients whole, fp32 once a block's backward ends); level 3 gathers a
+    block at a time (and prefetches the next). Under pipelining the schedule defers every level's
+    reduction and resharding to the step's last backward. ``backend`` ``gloo`` also counts the full-size copy gloo
     makes of a reduce-scatter's input (it has no reduce-scatter of its own); NCCL reduces in place.
     """
     stage_terms = stage_builder(layout, point, workload, backend)
@@ -147,8 +147,13 @@ def _read_knobs(layout: ModelLayout, point: Mapping[str, Any], workload: Workloa
     level = _scalar(_pick(dp > 1, zero, 0))  # the ZeRO level in effect: nothing is sharded over one rank
     sharded = level > 0
     # torch's pipeline schedule turns FSDP's gradient sync and resharding after backward off until
-    # the step's last backward (with one micro-batch, the first backward is the last)
-    deferred = sharded and pipelined and accumulating
+    # the step's last backward (with one micro-batch, the first backward is the last); so does the
+    # runtime at ZeRO-1 on one stage (runtime._accumulate)
+    deferred = sharded and accumulating and (pipelined or level == 1)
+    # ZeRO-1 is level 2's units (a block each, kept gathered after forward) whose reduction is
+    # always deferred as above: what it holds during a step is level 2's, deferred or not
+    if sharded:
+        level = max(level, 2)
     gpipe = _same(schedule == "gpipe")
     # the gradients a backward makes before any were accumulated (one micro-batch: the step's only)
     grads_key = "gradients" if accumulating else "gradients_single"
@@ -404,7 +409,7 @@ def _gathered(knobs: _Knobs, st: _Stage, position: int, accumulated: bool) -> di
     G = GRAD_BYTES
     if not sharded:
         return {}
-    if level < 3 and (level == 1 or deferred):
+    if level == 2 and deferred:
         return {"gathered": whole}
     if level == 2:  # blocks stay gathered from forward until their own backward ends
         return {"gathered": _min(position + 1, per_stage) * one + root,
@@ -422,8 +427,7 @@ def _gathered(knobs: _Knobs, st: _Stage, position: int, accumulated: bool) -> di
 
 def _gradients(knobs: _Knobs, st: _Stage, position: int, accumulated: bool) -> dict[str, float]:
     """The gradients alive while the backward runs block ``position``."""
-    layout, tp, dp, Pb, level, sharded, deferred = knobs.layout, knobs.tp, knobs.dp, knobs.Pb, knobs.level, \
-        knobs.sharded, knobs.deferred
+    layout, tp, dp, Pb, sharded, deferred = knobs.layout, knobs.tp, knobs.dp, knobs.Pb, knobs.sharded, knobs.deferred
     grads_key, block, copy_bytes, head_matrix = knobs.grads_key, knobs.block, knobs.copy_bytes, knobs.head_matrix
     mlp_matrix, tied_wait = knobs.mlp_matrix, knobs.tied_wait
     per_stage, last, head, grads, grad_shards = st.per_stage, st.last, st.head, st.grads, st.grad_shards
@@ -442,16 +446,20 @@ def _gradients(knobs: _Knobs, st: _Stage, position: int, accumulated: bool) -> d
             return {"gradients": grads, "grads_unsharded": waiting * copy_bytes,
                     "grads_transient": mlp_matrix * copy_bytes}
         return {"gradients": grads, "grads_transient": (tied_wait + mlp_matrix) * Pb}
-    if level == 1 or deferred:
-        # whole gradients until the step's reduce-scatter, fp32 once accumulated: FSDP upcasts
-        # bf16 gradients to its reduce dtype when a backward ends, so until then this
-        # backward's bf16 gradients are alive beside the fp32 ones; and, as without FSDP, the
-        # gradient just made and a tied embedding's from the head (autocast's copies are
-        # made again each micro-batch: their gradients are added in at once)
+    if deferred:
+        # whole gradients until the step's reduce-scatter, fp32 once accumulated: FSDP upcasts a
+        # unit's bf16 gradients to its reduce dtype (adds them to the fp32 ones) in the unit's
+        # post-backward, as the block's backward ends, so the running block's bf16 gradients are
+        # alive beside the fp32 ones, and the root's (the head's first) until the backward ends;
+        # and, as without FSDP, the gradient just made and a tied embedding's from the head
+        # (autocast's copies are made again each micro-batch: their gradients are added in at once)
+        if Pb == G:  # nothing to upcast
+            return {grads_key: made * G} if not accumulated else \
+                {"gradients": grads, "grads_transient": tied_wait * Pb + mlp_matrix * (Pb + copy_bytes)}
+        current = {"grads_unsharded": (block + head) * Pb}
         if not accumulated:
-            return {grads_key: made * Pb}
-        return {"gradients": grads, "grads_unsharded": made * Pb if Pb != G else 0.0,
-                "grads_transient": (0.0 if Pb != G else tied_wait * Pb) + mlp_matrix * (Pb + copy_bytes)}
+            return {grads_key: (made - head) * G, **current}
+        return {"gradients": grads, **current, "grads_transient": mlp_matrix * (Pb + copy_bytes)}
     # levels 2 and 3, one stage: blocks reduce-scattered as their backward ends; the running
     # block's gradients and the root's (until the root's reduce at the end) unsharded
     current = {"grads_unsharded": (block + head) * Pb}
@@ -499,10 +507,10 @@ def _forward_events(knobs: _Knobs, st: _Stage) -> dict[str, dict[str, Any]]:
     }
     if sharded:
         # the flat all-gather buffer of the unit just gathered and of the one before it, kept
-        # until the next copy-out (level 1: the stage's one unit, until the forward ends). Levels
-        # 1 and (pipelined) 2 gather the stage in the step's first forward only
-        forward["ag_buffer"] = whole if level == 1 else 2 * one
-        if level == 1 or (level == 2 and deferred):
+        # until the next copy-out. Levels 1 and 2, deferred, gather the stage in the step's first
+        # forward only
+        forward["ag_buffer"] = 2 * one
+        if level == 2 and deferred:
             events["forward_gather"] = {**cache, **per_mb, "logits": logits_1, **forward}
         else:
             events["forward"].update(forward)
@@ -578,6 +586,7 @@ def _backward_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[str, 
     grads_key, gloo, temp_1, block = knobs.grads_key, knobs.gloo, knobs.temp_1, knobs.block
     copy_bytes, head_matrix, embedding = knobs.copy_bytes, knobs.head_matrix, knobs.embedding
     first, last, per_stage, emb_1, params, grads = st.first, st.last, st.per_stage, st.emb_1, st.params, st.grads
+    ends = st.ends
     cache, per_mb, logits_1, done, head = st.cache, st.per_mb, st.logits_1, st.done, st.head
     whole, one, root, top, recompute, recopies = st.whole, st.one, st.root, st.top, st.recompute, st.recopies
     gathered = functools.partial(_gathered, knobs, st)
@@ -592,11 +601,12 @@ def _backward_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[str, 
         events["backward_end" + suffix] = {
             **cache, **{k: v * (flight - done) for k, v in per_mb.items()},
             "logits": logits_1 * (logits_flight - 1), **ended, **sends}
-    if level == 1 or deferred:
+    if deferred:
         # the backward ends with every gradient of the stage made, the stage gathered, the
-        # other micro-batches in flight (FSDP then upcasts bf16 gradients, or reduces)
-        made = {"gradients": grads, "grads_unsharded": params * Pb if Pb != G else 0.0} \
-            if accumulated else {grads_key: params * Pb}
+        # other micro-batches in flight: the blocks' fp32 (upcast as each block's backward
+        # ended), the root's bf16 until its own post-backward upcasts them
+        made = {"gradients": grads, "grads_unsharded": ends * Pb if Pb != G else 0.0} \
+            if accumulated else {grads_key: (params - ends) * G + ends * Pb}
         # the embedding's own gradient is among those made (the first stage's only: a later
         # stage has no transient of it)
         made["grads_transient"] = emb_1 if accumulated else _at_least_zero(emb_1 - embedding * Pb)
@@ -666,9 +676,8 @@ def _gradient_sync(knobs: _Knobs, st: _Stage) -> dict[str, Any]:
     """The gradients' synchronisation after the step's last backward, per ZeRO level."""
     dp, Pb, level, sharded, deferred, gpipe = knobs.dp, knobs.Pb, knobs.level, knobs.sharded, knobs.deferred, \
         knobs.gpipe
-    accumulating, grads_key, gloo, block, largest = knobs.accumulating, knobs.grads_key, knobs.gloo, knobs.block, \
-        knobs.largest
-    params, grads, grad_shards, fresh = st.params, st.grads, st.grad_shards, st.fresh
+    grads_key, gloo, block, largest = knobs.grads_key, knobs.gloo, knobs.block, knobs.largest
+    grads, grad_shards, fresh = st.grads, st.grad_shards, st.fresh
     ends, whole, one, root = st.ends, st.whole, st.one, st.root
     G = GRAD_BYTES
     if not sharded:
@@ -676,10 +685,6 @@ def _gradient_sync(knobs: _Knobs, st: _Stage) -> dict[str, Any]:
         # holds 32 MiB of gradients, or one larger gradient)
         return {grads_key: grads,
                 "dp_buckets": _pick(dp > 1, _min(grads, _max(DP_BUCKET_BYTES, largest * G)), 0.0)}
-    if level == 1:
-        # the stage's one reduce-scatter, once its gathered parameters are freed
-        unsharded = {"gradients": grads} if accumulating else {"gradients_single": params * Pb}
-        return {**_reduce_scatter(knobs, params, sum(unsharded.values())), **({} if gloo else unsharded)}
     if deferred:
         # the step's last backward reduce-scatters block by block the gradients accumulated whole
         # (the first block's move into the reduce-scatter's input), the rest of the stage still

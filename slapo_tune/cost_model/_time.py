@@ -69,7 +69,8 @@ def _ring(bytes_: Any, n: Any, hw: Hardware, kind: str = "all_reduce", stride: A
 def fsdp_collectives(level: Any, micro_batches: Any, pp: Any, schedule: Any) -> tuple[Any, Any]:
     """(all-gathers, reduce-scatters) of a stage's parameters per step at ZeRO ``level`` 1-3.
 
-    One stage: level 1 gathers once and reduces once per step; level 2 gathers and reduces every
+    One stage: level 1 gathers once and reduces once per step (each unit: a block, the root);
+    level 2 gathers and reduces every
     micro-batch; level 3 gathers twice (forward, backward) and reduces every micro-batch. A
     pipeline defers reduction and resharding after backward to the step's last backward: level 1
     and 2 gather once; level 3 still reshards after every forward, so each forward gathers and a

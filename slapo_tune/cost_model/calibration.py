@@ -126,8 +126,9 @@ def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, 
 # Version 2: terms per precision (not dtype: "bf16" used to mean autocast, now bf16 parameters with
 # fp32 masters) and per ZeRO level 0-3. Version 3: pp_recv counts the receive buffers in flight
 # (not one per micro-batch), logits and logits_grad follow loss_parallel, and tp_comm holds the LM
-# head's all-gather of the logits.
-CALIBRATION_VERSION = 3
+# head's all-gather of the logits. Version 4: ZeRO-1 is a unit per block (grads_unsharded: the
+# running block's and the root's bf16 gradients; rs_buffer: a block's reduce-scatter).
+CALIBRATION_VERSION = 4
 
 
 def _cache_path(device: str, family: str, precision: str) -> Path:
