@@ -159,14 +159,20 @@ def test_a_ring_across_nodes_drives_every_nic_of_its_ranks_in_a_node():
 
 
 def test_published_runs_fit_and_are_predicted_within_15_percent():
-    """Every llm-foundry run (benchmarks/data/published_runs.json: MPT 760M-70B on 8-128 A100s and
-    H100s, FSDP, with and without recomputation) fits its GPU and is predicted within 15 % of its
+    """Every published run (benchmarks/data/published_runs.json: llm-foundry's MPT 760M-70B on 8-128
+    A100s and H100s, FSDP, with and without recomputation; NVIDIA's Llama-3 70B in FP8 on 64 H100s,
+    TP 4 with sequence parallelism, an interleaved PP 8 x VP 5, the distributed optimizer) fits its
+    GPU, is kept by the cost model at tune's default budget there, and is predicted within 15 % of its
     published tokens/s/GPU, the held-out runs too (the mechanisms' constants were fitted on the
-    others). FSDP fully hidden behind compute (FSDP_OVERLAP = 1) put 13B on 8 H100s 34 % fast."""
+    others). FSDP fully hidden behind compute (FSDP_OVERLAP = 1) put 13B on 8 H100s 34 % fast; the
+    70B rows were 113.8 and 131.8 GiB and 0.82 before the runtime freed its pipeline sends, fused its
+    norms and SwiGLU, upcast ZeRO-1's gradients block by block and overlapped the sequence-parallel
+    backward collectives."""
     from benchmarks.published_runs import evaluate, load_runs
 
-    rows = [evaluate(run, rank=False) for run in load_runs() if "runtime" not in run]  # llm-foundry's
-    assert all(r["fits"] for r in rows), [r["id"] for r in rows if not r["fits"]]
+    rows = [evaluate(run, rank=False) for run in load_runs()]
+    assert any("llama3" in r["id"] for r in rows)
+    assert all(r["fits"] and r["kept"] for r in rows), [r["id"] for r in rows if not (r["fits"] and r["kept"])]
     off = {r["id"]: round(r["ratio"], 3) for r in rows if not 0.85 <= r["ratio"] <= 1.15}
     assert not off, off
 
