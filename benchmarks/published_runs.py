@@ -30,12 +30,18 @@ They are built as Hugging Face GPT-2 with exact GELU and no dropout. Hugging Fac
 ``MptForCausalLM`` has no SDPA path (its eager attention keeps ``b x heads x s x s`` scores, which
 the FlashAttention runs never held).
 
-NVIDIA's Megatron-Bridge performance tables (Llama-3 70B on 64 H100s in FP8: TP 4, PP 8, VP 5, the
-distributed optimizer) are built from the Llama template at their shape, with ``fuse=on`` (Transformer
-Engine's fused norms and SwiGLU; ours keep as little for backward) and sequence parallelism. Their
-runtime is not ours (Transformer Engine's FP8 GEMMs, Megatron's pipeline and communication overlap),
-so they are held out and reported apart: what the cost model of our runtime says of a configuration
-another runtime ran, which must still fit and run near its speed.
+NVIDIA's Megatron-Bridge performance tables (Llama-3 8B on 8 GPUs, Llama-3 70B on 64 H100s, in FP8
+with current scaling: the distributed optimizer or Megatron FSDP, TP with sequence parallelism, PP with
+VP) are built from the Llama template at their shape, with ``fuse=on`` (Transformer Engine's fused
+norms and SwiGLU; ours keep as little for backward) and sequence parallelism wherever TP > 1 (as
+Megatron-Bridge's ``WorkloadBaseConfig.sequence_parallel``). Their runtime is not ours (Transformer
+Engine's FP8 GEMMs, Megatron's pipeline and communication overlap), so they are held out and reported
+apart: what the cost model of our runtime says of a configuration another runtime ran, which must
+still fit and run near its speed. A run on a GPU whose preset no fitted run uses (B200: its rates are
+the H100's share of its datasheet peak) is reported apart again: it tests the preset as much as the
+model. Llama-3.1 405B is not here: Megatron counts the embedding and the loss as pipeline layers (126
+blocks + 2 = 64 chunks of 2 under PP 8 x VP 8), our pipeline cuts blocks alone and interleaves only
+when ``pp * vpp`` divides them.
 
 Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]``; writes
 ``results/benchmarks/published_runs.json``, and ``python -m benchmarks`` puts its section into
@@ -74,9 +80,11 @@ def data_parallel(run: dict) -> int:
 
 def load_runs(path: Path = DATA) -> list[dict]:
     """The published runs, each checked for what the benchmark reads, each with its framework's
-    description (``run["framework"]``)."""
+    description (``run["framework"]``) and whether a run not held out ran on its GPU
+    (``run["hardware_fitted"]``: the presets' rates were fitted on those runs alone)."""
     data = json.loads(path.read_text())
     frameworks, runs = data.get("frameworks", {}), data["runs"]
+    fitted_hardware = {r["hardware"] for r in runs if not r["held_out"]}
     for run in runs:
         k = run["knobs"]
         if run["global_batch"] != data_parallel(run) * k["micro_batch"] * k["grad_accum"]:
@@ -86,6 +94,7 @@ def load_runs(path: Path = DATA) -> list[dict]:
         if repository not in frameworks:
             raise ValueError(f"{run['id']}: no framework described for {repository} (add it to 'frameworks')")
         run["framework"] = frameworks[repository]
+        run["hardware_fitted"] = run["hardware"] in fitted_hardware
     return runs
 
 
@@ -142,7 +151,8 @@ def evaluate(run: dict, rank: bool) -> dict:
     tokens = run["global_batch"] * run["seq_len"]
     predicted = tokens / timing.step / run["gpus"]
     published = run["published"]["tokens_per_s_per_gpu"]
-    row = {"id": run["id"], "held_out": run["held_out"], "memory": hw.memory, "peak": memory.peak,
+    row = {"id": run["id"], "held_out": run["held_out"], "other_runtime": "runtime" in run,
+           "hardware_fitted": run["hardware_fitted"], "memory": hw.memory, "peak": memory.peak,
            "fits": memory.peak <= hw.memory, "budget": budget, "kept": model.verdict(point, budget, prediction=memory).fits,
            "predicted_tokens": predicted, "published_tokens": published,
            "ratio": predicted / published, "predicted_mfu": model.mfu(timing.step, run["gpus"]),
@@ -224,11 +234,24 @@ def run(quick: bool, rank: bool) -> dict:
         t = time.perf_counter()
         rows.append(evaluate(r, rank))
         print(f"{r['id']}: ratio {rows[-1]['ratio']:.2f} ({time.perf_counter() - t:.0f} s)", flush=True)
-    other = {r["id"] for r in runs if "runtime" in r}  # runs of another framework (NVIDIA's Megatron-Bridge)
-    return {"rows": rows, "fitted": summarise([r for r in rows if not r["held_out"]]),
-            "held_out": summarise([r for r in rows if r["held_out"] and r["id"] not in other]),
-            "other_runtime": summarise([r for r in rows if r["id"] in other]), "seconds": time.perf_counter() - t0,
-            "source": str(DATA.relative_to(DATA.parents[2]))}
+    return {"rows": rows, **{name: summarise(group) for name, group in groups(rows).items()},
+            "seconds": time.perf_counter() - t0, "source": str(DATA.relative_to(DATA.parents[2]))}
+
+
+def groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows the report summarises apart: the fitted runs; the held-out runs of our runtime's
+    frameworks; runs of another runtime (NVIDIA's Megatron-Bridge) on GPUs whose presets fitted runs
+    checked; and those on GPUs no fitted run used (a preset's rates extrapolated, not validated)."""
+    out: dict[str, list[dict]] = {"fitted": [], "held_out": [], "held_out_unvalidated": [], "other_runtime": [],
+                                  "other_runtime_unvalidated": []}
+    for r in rows:
+        if not r["held_out"]:
+            out["fitted"].append(r)
+        elif not r["hardware_fitted"]:
+            out["other_runtime_unvalidated" if r["other_runtime"] else "held_out_unvalidated"].append(r)
+        else:
+            out["other_runtime" if r["other_runtime"] else "held_out"].append(r)
+    return out
 
 
 def report_section(data: dict) -> list[str]:
@@ -236,7 +259,7 @@ def report_section(data: dict) -> list[str]:
     gib = 2**30
     lines = ["## Published GPU runs", "",
              f"Each run's published configuration (`{data['source']}`, with citations), predicted by the analytic "
-             "cost model, uncalibrated. Ratio: predicted / published tokens per second per GPU. Rank: the published "
+             "cost model, uncalibrated. Ratio: predicted / published tokens per second per GPU. "
              "Kept: not pruned by the cost model at tune's and plan's default budget on that GPU (its memory less the "
              "CUDA reserve). "
              f"Rank: the published configuration's place among plan's points that fit that budget (- : not in the first {TOP}), first among "
@@ -254,21 +277,24 @@ def report_section(data: dict) -> list[str]:
         return f"{r[f'rank{suffix}'] or '-'} | {'' if best is None else f'{best:.2f}x'}"
 
     for r in data["rows"]:
-        lines.append(f"| {r['id']} | {'yes' if r['held_out'] else ''} | {r['peak'] / gib:.1f} / {r['memory'] / gib:.0f} ({r['budget'] / gib:.1f}) | "
+        held = ("yes" if r["hardware_fitted"] else "yes (GPU preset not validated)") if r["held_out"] else ""
+        lines.append(f"| {r['id']} | {held} | {r['peak'] / gib:.1f} / {r['memory'] / gib:.0f} ({r['budget'] / gib:.1f}) | "
                      f"{'yes' if r['fits'] else '**no**'} | {'yes' if r['kept'] else '**pruned**'} | {r['published_tokens']:,.0f} | {r['predicted_tokens']:,.0f} | "
                      f"{r['ratio']:.2f} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | {ranked(r, '')} | "
                      f"{ranked(r, '_any')} |")
     lines += ["", "| runs | n | not fitting | pruned at the default budget | ratio median (range) | within 0.85-1.15 | median abs error | "
               "Spearman MFU | top 10 or first choice <= 1.10x (framework) | (every knob) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("fitted", "held_out", "other_runtime"):
+    labels = {"fitted": "fitted", "held_out": "held out", "held_out_unvalidated": "held out, GPU preset not validated",
+              "other_runtime": "NVIDIA Megatron-Bridge (held out)",
+              "other_runtime_unvalidated": "NVIDIA Megatron-Bridge (held out), GPU preset not validated"}
+    for name, label in labels.items():
         s = data.get(name)
         if not s:
             continue
         spear = "" if s["spearman_mfu"] is None else f"{s['spearman_mfu']:.2f}"
         top = "" if s["top_or_close"] is None else f"{s['top_or_close']} of {s['ranked']}"
         top_any = "" if s["top_or_close_any"] is None else f"{s['top_or_close_any']} of {s['ranked']}"
-        label = {"fitted": "fitted", "held_out": "held out", "other_runtime": "NVIDIA Megatron-Bridge (held out)"}[name]
         lines.append(f"| {label} | {s['runs']} | {s['not_fitting']} | {s['pruned']} | {s['ratio_median']:.2f} "
                      f"({s['ratio_min']:.2f}-{s['ratio_max']:.2f}) | {s['within_15']} | {s['median_abs_error']:.2f} | "
                      f"{spear} | {top} | {top_any} |")

@@ -4,6 +4,7 @@ cited, self-consistent and built at the size that ran; nothing here predicts any
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -29,7 +30,8 @@ def test_every_run_is_cited_and_some_are_kept_aside(runs):
 def test_the_built_models_have_the_published_parameter_counts(runs):
     """The stand-in (Hugging Face GPT-2 blocks at MPT's shape) against each table's NumParams: within
     0.2 % (GPT-2's biases, which MPT lacks), at every size and sequence length (learned positions);
-    NVIDIA's Llama-3 70B, built from the Llama template, at its 70,553,706,496."""
+    NVIDIA's Llama-3 8B and 70B, built from the Llama template, at their 8,030,261,248 and
+    70,553,706,496 (Meta's configs: untied heads, vocabulary 128,256)."""
     seen = set()
     for run in runs:
         key = (run["model"]["name"], run["seq_len"])
@@ -64,16 +66,47 @@ def test_spearman_is_pearson_over_ranks():
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
 
 
-def test_megatrons_distributed_optimizer_is_zero_1_on_the_published_layout(runs):
-    """NVIDIA's Llama-3 70B rows: TP 4, PP 8, VP 5 on 64 GPUs leaves dp = 2; the distributed optimizer
-    (ZeRO-1), sequence parallelism and an interleaved pipeline, a point the Llama template's space holds."""
+# Megatron-Bridge's WorkloadBaseConfig (scripts/performance/utils/utils.py): what a settings entry
+# does not name (virtual_pipeline_model_parallel_size None: no interleaving)
+MEGATRON_DEFAULTS = {"TP": 1, "PP": 1, "CP": 1, "VP": 1, "MBS": 1}
+
+
+def test_nvidias_runs_are_planned_as_their_cited_settings_name(runs):
+    """Each NVIDIA row, planned by the Llama template, is the layout its cited settings entry names
+    (TP, PP, CP, VP, MBS; WorkloadBaseConfig's defaults where unnamed): dp the GPUs over TP x PP x
+    CP, sequence parallelism wherever TP > 1 (WorkloadBaseConfig.sequence_parallel), no
+    recomputation, the distributed optimizer as ZeRO-1 and Megatron FSDP (its perf scripts'
+    data_parallel_sharding_strategy optim_grads_params) as ZeRO-3."""
     nvidia = [r for r in runs if "runtime" in r]
     assert nvidia and all(r["held_out"] for r in nvidia)
+    assert {r["model"]["name"] for r in nvidia} >= {"llama3-8b", "llama3-70b"}
     for run in nvidia:
-        point = published_point(run)
-        assert data_parallel(run) == 2 and point["zero"] == 1 and point["vpp"] == 5 and point["sp"] == "on"
-        plan = _spec(run).resolve().plan(point)
-        assert (plan["tp"], plan["pp"], plan["dp"], plan["vpp"]) == (4, 8, 2, 5)
+        settings = run["source"]["settings"]
+        named = {**MEGATRON_DEFAULTS, **{k: int(v) for k, v in re.findall(r"\b(TP|PP|CP|VP|MBS) (\d+)", settings)}}
+        plan = _spec(run).resolve().plan(published_point(run))
+        dp = run["gpus"] // (named["TP"] * named["PP"] * named["CP"])
+        assert data_parallel(run) == run["layout"]["dp"] == dp, run["id"]
+        assert (plan["tp"], plan["pp"], plan["cp"], plan["vpp"], plan["dp"], plan["micro_batch"]) == (
+            named["TP"], named["PP"], named["CP"], named["VP"], dp, named["MBS"]), run["id"]
+        assert plan["sp"] == ("on" if named["TP"] > 1 else "off") and plan["ckpt_ratio"] == 0.0, run["id"]
+        assert plan["zero"] == (3 if "use_megatron_fsdp" in settings else 1), run["id"]
+    assert any("use_megatron_fsdp" in r["source"]["settings"] for r in nvidia)
+
+
+def test_runs_on_a_gpu_no_fitted_run_used_are_summarised_apart(runs):
+    """The B200 preset's rates are the H100's share of its datasheet peak, which no fitted run
+    checked: its NVIDIA rows get a summary of their own, the H100 ones stay with the others of their
+    runtime, and every row is summarised once."""
+    assert not any(r["hardware_fitted"] for r in runs if r["hardware"] == "b200")
+    assert all(r["hardware_fitted"] for r in runs if r["hardware"] == "h100-80gb")
+    rows = [{"id": r["id"], "held_out": r["held_out"], "other_runtime": "runtime" in r,
+             "hardware_fitted": r["hardware_fitted"]} for r in runs]
+    got = {name: {r["id"] for r in group} for name, group in published_runs.groups(rows).items()}
+    b200 = {r["id"] for r in runs if r["hardware"] == "b200"}
+    assert b200 and got["other_runtime_unvalidated"] == b200
+    assert got["other_runtime"] == {r["id"] for r in runs if "runtime" in r and r["hardware"] == "h100-80gb"}
+    assert got["fitted"] == {r["id"] for r in runs if not r["held_out"]}
+    assert sum(map(len, got.values())) == len(runs)
 
 
 def test_each_published_point_lies_in_its_frameworks_space(runs):
