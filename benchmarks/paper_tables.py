@@ -12,7 +12,10 @@
    a gradient before its reduce-scatter, the collectives' buffers and autocast's weight copies are
    buffers. ``bf16`` (16-bit parameters and gradients, fp32 master weights and Adam moments) is the
    paper's mixed-precision layout; unsharded, it accumulates gradients in fp32 (18 B/parameter,
-   not 16). ``amp-bf16`` keeps fp32 parameters and gradients: 16 B/parameter unsharded too.
+   not 16). ``amp-bf16`` keeps fp32 parameters and gradients: 16 B/parameter unsharded too. Our
+   level 1 keeps gradients whole only while it accumulates micro-batches and reduce-scatters them
+   block by block as the last micro-batch's backward goes: at the paper's one micro-batch it holds
+   stage 2's model states, not the paper's stage 1 (``4 Psi + 12 Psi / N``).
 2. **Activations per layer** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
    Transformer Models", Table 2) for GPT-3 175B (s 2048, h 12288, 96 heads, micro-batch 1, tp 8): no
    parallelism, tensor parallelism, tensor + sequence parallelism, selective and full recomputation,
@@ -228,7 +231,8 @@ def report_section(data: dict) -> list[str]:
                      f"{r['ours_gb']:.1f} ({r['error']:+.1%}) | {r['moment']} |")
     lines += ["", "Model states as the paper counts them: parameters (and gathered copies kept beyond one unit), "
               "gradients, optimizer states; bf16 is the paper's layout (stage 0: fp32 gradient accumulation, "
-              "18 B/parameter)."]
+              "18 B/parameter; stage 1: gradients reduce-scattered block by block at one micro-batch, so stage 2's "
+              "states)."]
     lines += ["", "### Activations per layer, GPT-3 175B, micro-batch 1, per rank (GB)", "",
               "| case | Megatron's formula | exact (fake step) | analytic (err vs exact) |", "|---|---|---|---|"]
     for r in data["activations"]["rows"]:

@@ -18,11 +18,16 @@ def test_zero_paper_figures_within_3_percent_in_the_papers_layout(zero_rows):
     """bf16 (16-bit parameters and gradients, fp32 master weights and moments) is the paper's
     mixed-precision layout: every sharded stage within 3 % of the paper's closed form, and of the
     published figure (rounded to 0.1 GB). Unsharded it accumulates fp32 gradients: 18 bytes a
-    parameter, not 16, by design; amp-bf16 (fp32 parameters and gradients) holds 16."""
-    for level in (1, 2, 3):
+    parameter, not 16, by design; amp-bf16 (fp32 parameters and gradients) holds 16. Our ZeRO-1
+    keeps gradients whole only while it accumulates and reduce-scatters them block by block in the
+    last micro-batch's backward: at the paper's one micro-batch it holds stage 2's states (the
+    paper's stage 1 keeps 2 Psi of whole gradients), fewer than the paper's stage 1 by design."""
+    for level in (2, 3):
         row = zero_rows[("bf16", level)]
         assert abs(row["error"]) < 0.03, row
         assert abs(row["ours_gb"] / ZERO_PUBLISHED_GB[level] - 1) < 0.03, row
+    stage_1 = zero_rows[("bf16", 1)]
+    assert abs(stage_1["ours_gb"] / ZERO_PUBLISHED_GB[2] - 1) < 0.03, stage_1
     assert zero_rows[("bf16", 0)]["ours_gb"] == pytest.approx(18 / 16 * zero_rows[("bf16", 0)]["paper_formula_gb"])
     for level in (0, 3):
         assert abs(zero_rows[("amp-bf16", level)]["error"]) < 0.03, zero_rows[("amp-bf16", level)]
