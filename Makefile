@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks
 
 mutants: $(STAMP)
-	$(PY) tests/mutation.py named
+	$(PY) tools/mutation.py named
 
 clean:
 	rm -rf $(VENV) build *.egg-info

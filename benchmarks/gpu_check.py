@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     if args.smoke:  # the same path on a tiny model
         numerics = partial(check_numerics, setup.kind, ("gpt2-tiny",))
         memory = partial(check_memory, setup, hw, "gpt2-tiny", 8, 32, MEMORY_POINTS[:1])
-        # no confirmation rounds (tests/test_confirm.py covers them): the suite's time
+        # no confirmation rounds (tests/unit/test_confirm.py covers them): the suite's time
         model, tune_args = "gpt2-tiny", ["--global-batch", "4", "--seq-len", "32", "--measured-steps", "1",
                                          "--confirm", "0"]
         trials, steps = args.tune_trials or 1, args.train_steps or 2

@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import pytest
 
+_HERE = os.path.dirname(os.path.abspath(__file__))  # tests/: the suite's root, above its kinds
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # under /tmp itself, not $TMPDIR: a pytest-xdist worker inherits the controller's session dir as
@@ -37,11 +38,16 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.path.isdir(os.environ.get(_SHARE
 else:
     _CACHE = os.path.join(_SESSION_TMP, "cache")
     os.makedirs(_CACHE)
-    shutil.copy(os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "data", "cpu.json"), _CACHE)
+    shutil.copy(os.path.join(_HERE, os.pardir, "benchmarks", "data", "cpu.json"), _CACHE)
     os.environ[_SHARED_CACHE] = _CACHE
 os.environ["SLAPO_TUNE_CACHE"] = _CACHE
 
-sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import helpers from this folder
+# Helpers every kind shares (_helpers, _fault_templates) live in this folder, the rank functions
+# beside the tests that launch them (multirank/, e2e/): all on the path now, before the rank fork
+# server starts (it keeps the path it starts with), so that spawned ranks import them by name
+# whichever test, of whatever kind, launched them first.
+_SUPPORT = (_HERE, os.path.join(_HERE, "multirank"), os.path.join(_HERE, "e2e"))
+sys.path[:0] = _SUPPORT
 
 
 # The slowest files first, longest first (each file alone on an idle 2-core machine: from 146 s for
@@ -50,7 +56,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import helpers fr
 # most tests first, is turned off in pytest_configure.)
 _SLOWEST_FIRST = ("test_search.py", "test_ray_runner.py", "test_train.py", "test_templates_verify.py",
                   "test_cost_model.py", "test_faults.py", "test_tune.py", "test_signals.py", "test_gpu_check.py", "test_zero.py",
-                  "test_postgres.py", "test_cost_model_techniques.py", "test_time_model.py",
+                  "test_postgres.py", "test_shared_study.py", "test_cost_model_techniques.py", "test_time_model.py",
                   "test_sequence_parallel.py", "test_tensor_parallel.py", "test_launch.py", "test_runners.py",
                   "test_selective_checkpoint.py", "test_parallel_3d.py", "test_user_space.py", "test_interleaved.py",
                   "test_paper_tables.py", "test_probe_precision.py", "test_plan_speed.py", "test_what_a_user_sees.py",
@@ -157,7 +163,7 @@ def ray_cluster():
     cluster.wait_for_nodes()
     # workers import test helpers (fault-injecting templates) from this folder, as ranks do locally
     ray.init(address=cluster.address, namespace="slapo-tune-tests", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_SUPPORT)}})
     try:
         yield cluster
     finally:

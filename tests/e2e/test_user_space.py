@@ -17,7 +17,7 @@ from slapo_tune.cli import main
 from slapo_tune.errors import UsageError
 from slapo_tune.problem import ProblemSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # a wrong schedule for logit_scale=2 (the logits doubled): only verify running it can tell
 DOUBLED = '''BASE = "llama"

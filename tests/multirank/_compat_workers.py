@@ -1,4 +1,4 @@
-"""Rank function of tests/test_compat_runtime.py: Slapo's sync ops, a vocabulary-sharded embedding
+"""Rank function of tests/multirank/test_compat_runtime.py: Slapo's sync ops, a vocabulary-sharded embedding
 with Slapo's hooks and the rank-filtering logger, on two gloo ranks in one launch. Every expected
 value is computed here with plain torch from tensors every rank can make (same seeds), not with
 slapo-tune's collectives."""

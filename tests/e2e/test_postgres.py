@@ -72,7 +72,7 @@ def test_tune_on_postgresql_killed_resumed_and_the_password_in_no_output(tmp_pat
     for name, value in (("HOME", tmp_path / "home"), ("TMPDIR", tmp_path / "tmp"), ("SLAPO_TUNE_CACHE", cache)):
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
                                                                    os.environ.get("PYTHONPATH")])))
 
     # 1: a driver of its own, the URL from a file; SIGKILLed once a trial is told and the next one runs

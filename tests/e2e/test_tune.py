@@ -44,7 +44,7 @@ def _env(tmp_path: Path, mark: str, ray_tmp: str) -> dict[str, str]:
     home.mkdir(exist_ok=True)
     # every process the tuner starts (Ray head, agents, workers, ranks) inherits the mark
     return {**os.environ, "HOME": str(home), "SLAPO_RAY_TMPDIR": ray_tmp, "SLAPO_TEST_MARK": mark,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))}
 
 
 def _marked(mark: str) -> list[int]:

@@ -1,6 +1,6 @@
 """``plan`` evaluates less than every point fully (layouts pruned whole, stage-by-stage verdicts,
 points evaluated together, full rows for the shown ones only): its output must be what evaluating
-every point fully gives. The speed check is tests/test_cost_model.py::test_plan_llama70b_on_64_gpus."""
+every point fully gives. The speed check is tests/multirank/test_cost_model.py::test_plan_llama70b_on_64_gpus."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from slapo_tune.schedule_file import read_schedule
 
 from _fault_templates import LEAKED_BYTES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A replayed study (recorded trials, no training) whose outputs and journal go to OUT.
 REPLAY_STUDY = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""Rank function for tests/test_sequence_parallel.py: every sequence-parallel check in one launch."""
+"""Rank function for tests/multirank/test_sequence_parallel.py: every sequence-parallel check in one launch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank function for tests/test_zero.py: the collectives FSDP issues during one training step."""
+"""Rank function for tests/multirank/test_zero.py: the collectives FSDP issues during one training step."""
 
 from __future__ import annotations
 

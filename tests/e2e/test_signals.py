@@ -24,7 +24,7 @@ from test_tune import _marked as marked
 
 from slapo_tune._owned import OWNER_FILE, process_identity, remove_orphans, tag_as_mine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # one point, trials that run until stopped
 TUNE = ["tune", "--ray-address", "none", "--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8",
         "--seq-len", "32", "--knobs", "tp=1,pp=1,zero=0,ckpt_ratio=0,attn=sdpa,fuse=off,micro_batch=1",

@@ -23,7 +23,7 @@ from slapo_tune.plan import Plan, Workload
 from slapo_tune.schedule_file import make_schedule, write_json_atomic
 from slapo_tune.space import divisors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _one_line(capfd, argv: list[str]) -> str:

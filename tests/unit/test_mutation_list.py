@@ -1,4 +1,4 @@
-"""The named mutations (``tests/mutation.py``) still describe the code: each one's text occurs once
+"""The named mutations (``tools/mutation.py``) still describe the code: each one's text occurs once
 in its file, so ``make mutants`` breaks what it says it breaks, and each names tests that exist."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import ast
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
 
 import mutation  # noqa: E402
 

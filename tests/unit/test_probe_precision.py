@@ -2,7 +2,7 @@
 the analytic memory model then agrees with exact mode in every precision on real-size blocks.
 
 Exact mode runs the real training step on fake tensors in this process (a real step's peak, byte
-for byte on CPU: tests/test_cost_model.py); the analytic model here is uncalibrated (a private
+for byte on CPU: tests/multirank/test_cost_model.py); the analytic model here is uncalibrated (a private
 cache directory, no calibration in it)."""
 
 import dataclasses

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import find_packages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_only_the_three_packages_are_installed():

@@ -27,7 +27,7 @@ from slapo_tune.schedule_file import make_schedule
 from _helpers import schedule_file as _schedule
 from _helpers import subprocess_env as _env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+)", re.M)
 
 

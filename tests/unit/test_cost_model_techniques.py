@@ -3,7 +3,7 @@
 published formulas do (Korthikanti et al. 2022; Narayanan et al. 2021).
 
 Exact mode runs the real step on fake tensors in this process (no ranks are launched) and equals a
-real step's peak on CPU (tests/test_cost_model.py checks that against torch's MemTracker)."""
+real step's peak on CPU (tests/multirank/test_cost_model.py checks that against torch's MemTracker)."""
 
 import pytest
 

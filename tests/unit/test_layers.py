@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("slapo_tune", "search_spaces", "runners")
 
 # Bottom to top, as docs/development.md's layout section states them. A module belongs to the first layer
