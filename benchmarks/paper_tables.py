@@ -4,7 +4,7 @@
    Models", Figure 1 / §5): model states of a 7.5B-parameter model on 64 data-parallel ranks with
    mixed-precision Adam, 120 / 31.4 / 16.6 / 1.9 GB at stages 0-3 (``(2 + 2 + 12) Psi``,
    ``4 Psi + 12 Psi / N``, ``2 Psi + 14 Psi / N``, ``16 Psi / N``). Beside them, what our ZeRO levels
-   hold (:mod:`slapo_tune._data_parallel`, FSDP2 for levels 1-3) for Megatron-LM's 7.5B GPT (36
+   hold (:mod:`slapo_tune.parallel._data_parallel`, FSDP2 for levels 1-3) for Megatron-LM's 7.5B GPT (36
    layers, hidden 4096): the model states as the paper defines them (parameters, gradients,
    optimizer states; temporary buffers are "residual states", apart) at their largest over the
    analytic model's moments of a step. Parameters gathered for longer than one unit's compute

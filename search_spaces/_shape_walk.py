@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from slapo_tune._comm import communication_disabled
-from slapo_tune._pipeline import _recorded_calls
+from slapo_tune.parallel._comm import communication_disabled
+from slapo_tune.schedule._pipeline import _recorded_calls
 
 
 class _FirstUses(TorchFunctionMode):

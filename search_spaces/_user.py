@@ -34,8 +34,8 @@ from .generic import GenericDecoderTemplate
 if TYPE_CHECKING:
     from torch import nn
 
-    from slapo_tune._schedule import Schedule
     from slapo_tune.plan import Workload
+    from slapo_tune.schedule._schedule import Schedule
 
 NO_BASE_PINS = {"pp": 1, "ckpt_ratio": 0.0}  # without a base nothing cuts or checkpoints the blocks
 _VALUE_TYPES = (int, float, str)

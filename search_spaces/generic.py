@@ -52,7 +52,7 @@ class GenericDecoderTemplate(Template):
 
     def blocks_path(self, model: nn.Module) -> str:
         # torch-free: plan, space and every --help import this module; _data_parallel imports torch
-        from slapo_tune._data_parallel import largest_module_list
+        from slapo_tune.parallel._data_parallel import largest_module_list
 
         found = largest_module_list(model)
         if found is None:

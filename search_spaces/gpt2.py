@@ -38,7 +38,7 @@ class GPT2Template(Template):
         import torch
 
         # torch-free: plan, space and every --help import this module; _graph imports torch
-        from slapo_tune._graph import bias_then
+        from slapo_tune.schedule._graph import bias_then
 
         compiler = "inductor" if torch.cuda.is_available() else "eager"
         for block in self.block_nodes(sch):

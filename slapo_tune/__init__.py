@@ -26,11 +26,12 @@ from .plan import Plan, TrialStatus
 # The rest of the public API is imported on first use (PEP 562): those modules import torch (2-3 s),
 # which commands that only plan (``plan``, ``space``, ``show``, every ``--help``) never need.
 _LAZY = {
-    "build": "_build", "materialize": "_build",
-    "FusedLinear": "_graph", "Match": "_graph", "bias_then": "_graph", "fuse_linears": "_graph",
-    "Schedule": "_schedule", "create_schedule": "_schedule", "list_primitives": "_schedule",
-    "register_primitive": "_schedule", "unregister_primitive": "_schedule",
-    "Layout": "_sharding",
+    "build": "schedule._build", "materialize": "schedule._build",
+    "FusedLinear": "schedule._graph", "Match": "schedule._graph", "bias_then": "schedule._graph",
+    "fuse_linears": "schedule._graph",
+    "Schedule": "schedule._schedule", "create_schedule": "schedule._schedule", "list_primitives": "schedule._schedule",
+    "register_primitive": "schedule._schedule", "unregister_primitive": "schedule._schedule",
+    "Layout": "schedule._sharding",
     "VerifyReport": "_verify", "reference_copy": "_verify", "verify": "_verify",
     "LoadedSchedule": "apply", "apply_schedule": "apply", "load_schedule": "apply",
     "ModelSpec": "models", "build_model": "models", "config_fingerprint": "models", "load_config": "models",
@@ -40,20 +41,20 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from ._build import build, materialize
-    from ._graph import FusedLinear, Match, bias_then, fuse_linears
-    from ._schedule import (
+    from ._verify import VerifyReport, reference_copy, verify
+    from .apply import LoadedSchedule, apply_schedule, load_schedule
+    from .models import ModelSpec, build_model, config_fingerprint, load_config, preset_names
+    from .problem import Problem, ProblemSpec
+    from .schedule._build import build, materialize
+    from .schedule._graph import FusedLinear, Match, bias_then, fuse_linears
+    from .schedule._schedule import (
         Schedule,
         create_schedule,
         list_primitives,
         register_primitive,
         unregister_primitive,
     )
-    from ._sharding import Layout
-    from ._verify import VerifyReport, reference_copy, verify
-    from .apply import LoadedSchedule, apply_schedule, load_schedule
-    from .models import ModelSpec, build_model, config_fingerprint, load_config, preset_names
-    from .problem import Problem, ProblemSpec
+    from .schedule._sharding import Layout
     from .session import Session
 
 

@@ -3,7 +3,7 @@ pipeline cuts fall, which micro-batch counts torch's interleaved schedule runs, 
 buckets of replicated data parallelism.
 
 Plain arithmetic without torch, shared by the runtime (:mod:`slapo_tune.parallelize`,
-:mod:`slapo_tune._data_parallel`, which re-export it), the templates' spaces and the cost model,
+:mod:`slapo_tune.parallel._data_parallel`, which re-export it), the templates' spaces and the cost model,
 so that planning never imports torch.
 """
 

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._build import build, materialize
-from ._comm import all_gather_tensor
-from ._graph import FUSED_FROM
-from ._pipeline import StageModule, VirtualStages
-from ._schedule import Schedule, state_of
 from .errors import VerificationError
+from .parallel._comm import all_gather_tensor
 from .runtime import TrainStep
+from .schedule._build import build, materialize
+from .schedule._graph import FUSED_FROM
+from .schedule._pipeline import StageModule, VirtualStages
+from .schedule._schedule import Schedule, state_of
 
 DEFAULT_RTOL = {torch.float32: 1e-4, torch.float64: 1e-7, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # A training step against the fp32 reference, by the dtype it computes in. bf16 rounding of the

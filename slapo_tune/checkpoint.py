@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ._atomic import atomic_write_text
-from ._comm import local_tensor
 from ._inputs import read_json_file
 from .errors import UsageError
+from .parallel._comm import local_tensor
 
 LATEST = "latest"
 

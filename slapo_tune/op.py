@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import _comm
 from .errors import ScheduleError
+from .parallel import _comm
 
 # activation name (Hugging Face's config spelling) -> module
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {

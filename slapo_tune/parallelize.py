@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import _comm
 from ._partition import (  # noqa: F401  (re-exported)
     CKPT_SPREAD,
     checkpointed_indices,
@@ -29,12 +28,13 @@ from ._partition import (  # noqa: F401  (re-exported)
     stage_block_counts,
     stage_boundaries,
 )
-from ._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
-from ._schedule import Schedule, state_of
-from ._sharding import LinearRule, is_conv1d, rule_for
-from ._state import _ensure_forward_patched
-from ._vocab_loss import mark_loss_parallel
 from .errors import ScheduleError
+from .parallel import _comm
+from .parallel._vocab_loss import mark_loss_parallel
+from .schedule._pipeline import SEQUENCE_SHARDS, sequence_shards  # noqa: F401  (re-exported)
+from .schedule._schedule import Schedule, state_of
+from .schedule._sharding import LinearRule, is_conv1d, rule_for
+from .schedule._state import _ensure_forward_patched
 from .styles import (  # noqa: F401  (re-exported)
     Colwise,
     DivideAttr,

@@ -22,20 +22,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _comm, _send_release
-from ._context_parallel import context, context_shards, cp_loss_fn, split_sequence
-from ._data_parallel import average_gradients
 from ._partition import interleaved_microbatches_ok
-from ._pipeline import TRAIN_STEP, StageModule, VirtualStages
-from ._schedule import state_of
-from ._vocab_loss import loss_parallel, require_causal_lm_loss, shift_labels, vocab_parallel_cross_entropy
 from .errors import PipelineError, ScheduleError
+from .parallel import _comm, _send_release
+from .parallel._context_parallel import context, context_shards, cp_loss_fn, split_sequence
+from .parallel._data_parallel import average_gradients
+from .parallel._vocab_loss import (
+    loss_parallel,
+    require_causal_lm_loss,
+    shift_labels,
+    vocab_parallel_cross_entropy,
+)
 from .parallelize import (
     reduce_sequence_partial_gradients,
     sequence_parallel_activations,
     sequence_partial_parameters,
 )
 from .precision import precision as precision_named
+from .schedule._pipeline import TRAIN_STEP, StageModule, VirtualStages
+from .schedule._schedule import state_of
 
 # "zb": interleaved zero bubble (ZB1P, Qi et al. 2024): each backward split into the input gradient,
 # sent upstream at once, and the weight gradient, run later where the pipeline would idle
@@ -172,7 +177,7 @@ def default_optimizer(params, lr: float = 1e-4) -> torch.optim.Optimizer:
 def default_loss_fn(model: torch.nn.Module, tp_group=None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The model's own Hugging Face loss (shifted for causal LMs), applied to logits; for a model
     whose LM head keeps its logits sharded over the vocabulary (``loss_parallel``), the same loss
-    computed across the tensor-parallel ``tp_group`` (:func:`~slapo_tune._vocab_loss.vocab_parallel_cross_entropy`)."""
+    computed across the tensor-parallel ``tp_group`` (:func:`~slapo_tune.parallel._vocab_loss.vocab_parallel_cross_entropy`)."""
     if loss_parallel(model):
         require_causal_lm_loss(model, "loss_parallel", "the vocabulary-parallel loss replaces")
 
@@ -195,7 +200,7 @@ class TrainStep:
     The global batch (same on every rank) is split over data-parallel ranks, then into
     ``n_microbatches`` micro-batches. ``precision`` (:mod:`slapo_tune.precision`): ``amp-bf16``
     runs forward and backward under autocast; ``bf16`` computes with the bf16 parameters
-    :func:`~slapo_tune._build.build` made, and the gradients the optimizer needs are the fp32
+    :func:`~slapo_tune.schedule._build.build` made, and the gradients the optimizer needs are the fp32
     master gradients (``model.master``) or FSDP's fp32 shards. Returns the mean loss over the global
     batch on every rank. Call the optimizer after.
     """

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from ._build import build
 from .data import synthetic_batch
 from .launch import run_queue_wait
 from .memory import MemoryBreakdown, measured_peak
 from .plan import Plan
 from .problem import Problem
 from .runtime import TrainStep, default_optimizer
+from .schedule._build import build
 from .topology import Topology, init_topology
 
 WAIT_LIMIT = 0.05  # run-queue wait / step time above which a timed step is measured again

@@ -16,7 +16,7 @@ class Colwise:
     several projections of the same input (Q, K and V). ``gather_output`` all-gathers the
     partitioned output (an LM head); ``vocab_parallel_loss`` instead keeps an LM head's output
     sharded over the vocabulary, for the vocabulary-parallel cross-entropy
-    (:func:`slapo_tune._vocab_loss.vocab_parallel_cross_entropy`, the ``loss_parallel`` knob)."""
+    (:func:`slapo_tune.parallel._vocab_loss.vocab_parallel_cross_entropy`, the ``loss_parallel`` knob)."""
 
     num_fused: int = 1
     gather_output: bool = False

@@ -33,7 +33,7 @@ from .space import Knob, Point, Space, divisors
 if TYPE_CHECKING:  # a template's space needs no torch (plan); applying a point imports it
     from torch import nn
 
-    from ._schedule import Schedule
+    from .schedule._schedule import Schedule
 
 CKPT_RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -141,9 +141,9 @@ class Template:
         """Fuse sibling projections horizontally, then swap in the fused norms and SwiGLU MLPs
         (``fuse=on``)."""
         # torch-free: plan, space and every --help import this module; these import torch
-        from ._graph import fuse_linears
         from .op import FusedRMSNorm, SwiGLUMLP
         from .parallelize import glob_to_regex
+        from .schedule._graph import fuse_linears
 
         for parent, (names, fused_name) in self.fusion_groups.items():
             for node in sch.find(glob_to_regex(parent)):
@@ -259,8 +259,8 @@ class Template:
     def apply(self, sch: Schedule, point: Mapping[str, Any]) -> None:
         """Apply ``point`` to a fresh schedule, in the fixed order (see the module docstring)."""
         # torch-free: plan, space and every --help import this module; these import torch
-        from ._context_parallel import apply_context_parallel
-        from ._vocab_loss import mark_loss_parallel
+        from .parallel._context_parallel import apply_context_parallel
+        from .parallel._vocab_loss import mark_loss_parallel
         from .parallelize import (
             apply_checkpointing,
             apply_pipeline_cuts,
@@ -299,7 +299,7 @@ class Template:
     def schedule(self, model: nn.Module, point: Mapping[str, Any], topology=None) -> Schedule:
         """A schedule of ``model`` for ``point`` over ``topology``'s tensor-parallel group."""
         # torch-free: plan, space and every --help import this module; _schedule imports torch
-        from ._schedule import create_schedule
+        from .schedule._schedule import create_schedule
 
         sch = create_schedule(model, group=None if topology is None else topology.tp_group)
         self.apply(sch, point)

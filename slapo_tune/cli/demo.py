@@ -29,10 +29,10 @@ def demo_rank(ctx, spec: ProblemSpec) -> str:
     import torch
 
     # torch-free: every --help imports this module; these import torch
-    from .._build import build
-    from .._schedule import create_schedule
     from .._verify import verify
     from ..parallelize import apply_checkpointing, apply_tensor_parallel
+    from ..schedule._build import build
+    from ..schedule._schedule import create_schedule
 
     problem = spec.resolve()  # the template the command checked the world size against
     template, batch, seq = problem.template, problem.workload.global_batch, problem.workload.seq_len

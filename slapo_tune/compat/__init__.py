@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from .. import _graph, _schedule, _state, _tracing  # noqa: F401
-from .._build import build as _build
-from .._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
 from .._verify import VerifyReport
 from .._verify import verify as _verify
 from ..errors import ScheduleError, VerificationError
+from ..schedule import _graph, _schedule, _state, _tracing  # noqa: F401
+from ..schedule._build import build as _build
+from ..schedule._schedule import list_primitives, register_primitive, state_of  # noqa: F401  (re-exported)
 from . import _subgraphs, op  # noqa: F401  (op: Slapo's slapo.op)
 from ._metadata import ScheduleMetadata, metadata_of, tag_parameters
 from ._subgraphs import Subgraph

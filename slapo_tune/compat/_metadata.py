@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .._schedule import state_of
+from ..schedule._schedule import state_of
 
 
 @dataclass

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .. import _graph
-from .._state import checkpointed_call, copy_hooks
 from ..errors import PatternError, ScheduleError
+from ..schedule import _graph
+from ..schedule._state import checkpointed_call, copy_hooks
 
 
 class Subgraph(list):

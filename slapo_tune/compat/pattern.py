@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from .._patterns import call_module
+from ..schedule._patterns import call_module
 
 
 class Pattern(nn.Module):

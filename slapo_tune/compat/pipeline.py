@@ -17,9 +17,9 @@ from typing import Any
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
-from .._schedule import Schedule as _Node
-from .._schedule import state_of
 from ..errors import PipelineError
+from ..schedule._schedule import Schedule as _Node
+from ..schedule._schedule import state_of
 
 _CUT = "slapo_cut_after"  # node.meta key: a stage ends after this call
 

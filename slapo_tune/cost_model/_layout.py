@@ -85,7 +85,7 @@ def _measure_layout(config: Any, template: Template) -> ModelLayout:
     import copy
 
     # torch-free: plan and every --help import this module; _pipeline imports torch
-    from .._pipeline import _dry_run, _topmost
+    from ..schedule._pipeline import _dry_run, _topmost
 
     layers = config.num_hidden_layers
     small_config = copy.deepcopy(config)

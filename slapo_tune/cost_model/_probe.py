@@ -90,8 +90,8 @@ def probe_block(config: Any, template: Template | None, point: Mapping[str, Any]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # torch-free: plan and every --help import this module; these import torch
-    from .._build import build
-    from .._data_parallel import largest_module_list
+    from ..parallel._data_parallel import largest_module_list
+    from ..schedule._build import build
     from ..topology import init_topology
 
     tp = point["tp"]
@@ -268,7 +268,7 @@ def activation_probe(config: Any, template: Template | None = None, fusion: bool
     residuals, dropout masks between the tensor-parallel regions, and the regions' inputs, which
     their first linear layers save as this rank's shard and gather again in backward (as the
     training step runs them: :func:`~slapo_tune.parallelize.sequence_parallel_activations`); and
-    a selectively checkpointed block (:meth:`~slapo_tune._schedule.Schedule.checkpoint`) keeps its
+    a selectively checkpointed block (:meth:`~slapo_tune.schedule._schedule.Schedule.checkpoint`) keeps its
     linear layers' matmul outputs besides its input, ``sel/rep`` per token on every rank
     (row-parallel outputs, partial sums before their reduction) and ``sel/par`` divided by tp
     (column-parallel outputs); its input is counted with the checkpointed inputs. Those two are

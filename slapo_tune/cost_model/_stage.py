@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from .._partition import rank_block_count
-from .._send_release import pending_gradient_sends
+from ..parallel._send_release import pending_gradient_sends
 from ..plan import Workload, accumulation, knob_value
 from ._columns import _any, _at_least_zero, _each, _int, _max, _min, _nonzero, _pick, _same, _scalar
 from ._layout import ModelLayout
@@ -52,7 +52,7 @@ def memory_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     ``stages`` only, if given). Moments another one outweighs term by term are left out.
 
     Model states follow :func:`model_state_bytes`. During the step, data parallelism adds what
-    its ZeRO level keeps (see :mod:`slapo_tune._data_parallel`): level 0 averages whole fp32
+    its ZeRO level keeps (see :mod:`slapo_tune.parallel._data_parallel`): level 0 averages whole fp32
     gradients through flat buckets; FSDP (levels 1-3) gathers parameters in the compute dtype and
     reduce-scatters fp32 gradients through a flat input buffer per unit (a block, or the stage
     root). Level 2 keeps the stage gathered from forward to the end of each micro-batch's backward,
@@ -340,7 +340,7 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
     grad_1 = _pick(fused_loss, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
                    2 * loss_1)
     # an interleaved runtime lets a send go once its receive is proven posted
-    # (runtime: slapo_tune._send_release): a chunk output sent forward always is by its own
+    # (runtime: slapo_tune.parallel._send_release): a chunk output sent forward always is by its own
     # backward (it lives in the stage until then anyway, counted with the micro-batch), an input
     # gradient sent backward once a later receive shows the peer past its receive. What stays is a
     # bound read off torch's action lists, the same whatever the timing: at most
@@ -644,7 +644,7 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
     first_chunk_ckpt, per_stage, per_mb, logits_1 = st.first_chunk_ckpt, st.per_stage, st.per_mb, st.logits_1
     G = GRAD_BYTES
     # interleaved runtime schedules let each send go once its receive is proven posted
-    # (slapo_tune._send_release): at the rank's last backward, beside the stage's gradients and
+    # (slapo_tune.parallel._send_release): at the rank's last backward, beside the stage's gradients and
     # that backward's temporaries (the first stage's: its embedding's gradient, emb_1), every chunk
     # output sent forward has gone with its backward; the input gradients sent backward that the
     # rank cannot yet know received stay (at most the schedule's bound); on the last stage also at

@@ -17,7 +17,7 @@ def run_attention(ctx, kernel):
     import torch.distributed as dist
     from transformers import AttentionInterface
 
-    from slapo_tune._context_parallel import CP_ATTENTION, chunk_positions, context, register
+    from slapo_tune.parallel._context_parallel import CP_ATTENTION, chunk_positions, context, register
 
     register()
     fn = AttentionInterface()[CP_ATTENTION[kernel]]

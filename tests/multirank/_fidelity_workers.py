@@ -13,7 +13,8 @@ from transformers.pytorch_utils import Conv1D
 
 import slapo_tune as st
 import slapo_tune.compat as slapo
-from slapo_tune import _comm, op
+from slapo_tune import op
+from slapo_tune.parallel import _comm
 
 from _helpers import token_batch, uncompared
 

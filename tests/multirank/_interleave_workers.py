@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from slapo_tune._schedule import state_of
 from slapo_tune.checks import verify_point
 from slapo_tune.errors import ScheduleError
 from slapo_tune.runtime import TrainStep
+from slapo_tune.schedule._schedule import state_of
 from slapo_tune.session import Session
 
 

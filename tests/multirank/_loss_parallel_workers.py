@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slapo_tune._vocab_loss import vocab_parallel_cross_entropy
+from slapo_tune.parallel._vocab_loss import vocab_parallel_cross_entropy
 
 
 def _reference(logits, labels, shift):

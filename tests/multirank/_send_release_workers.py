@@ -11,9 +11,9 @@ import torch.distributed as dist
 def with_and_without_release(ctx, spec, point: dict) -> dict:
     """One interleaved step's gradients, loss and measured peak (MemTracker) with the send release,
     then with torch's retention (the release turned off); the most sends the release held at once
-    and its bound (:func:`~slapo_tune._send_release.pending_gradient_sends`)."""
-    from slapo_tune import _send_release
+    and its bound (:func:`~slapo_tune.parallel._send_release.pending_gradient_sends`)."""
     from slapo_tune.memory import measured_peak
+    from slapo_tune.parallel import _send_release
     from slapo_tune.session import Session
 
     problem = spec.resolve()

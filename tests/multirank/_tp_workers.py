@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import slapo_tune as st
-from slapo_tune import _comm
+from slapo_tune.parallel import _comm
 from slapo_tune.parallelize import apply_tensor_parallel
 
 from _helpers import FAMILIES, bias_then, family_module, token_batch, tp_schedule

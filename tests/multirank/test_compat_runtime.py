@@ -14,12 +14,12 @@ from torch import nn
 
 import slapo_tune.compat as slapo
 from slapo_tune import ShardingError
-from slapo_tune._schedule import state_of
 from slapo_tune.compat import op
 from slapo_tune.compat.random import get_cuda_rng_tracker, set_random_seed
 from slapo_tune.compat.utils.common import get_hooks
 from slapo_tune.compat.utils.report import report_memory
 from slapo_tune.launch import launch
+from slapo_tune.schedule._schedule import state_of
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ def test_each_rank_holds_an_early_and_a_late_chunk_with_equal_attention_work(siz
     """The ranks' positions partition the sequence; under a causal mask a token at position p attends
     to p + 1 keys, and every rank's tokens attend to the same number in all (contiguous chunks would
     give the last rank 2 x cp - 1 times the first's)."""
-    from slapo_tune._context_parallel import chunk_positions
     from slapo_tune.errors import ScheduleError
+    from slapo_tune.parallel._context_parallel import chunk_positions
 
     seq = 24
     held = [chunk_positions(seq, r, size) for r in range(size)]

@@ -7,13 +7,13 @@ import pytest
 from torch import fx
 
 from slapo_tune import create_schedule
-from slapo_tune._build import build
-from slapo_tune._pipeline import structural_copy
-from slapo_tune._schedule import TRACED_FROM, state_of
 from slapo_tune.errors import PipelineError
 from slapo_tune.launch import launch
 from slapo_tune.parallelize import apply_pipeline_cuts, interleaved_microbatches_ok
 from slapo_tune.problem import ProblemSpec
+from slapo_tune.schedule._build import build
+from slapo_tune.schedule._pipeline import structural_copy
+from slapo_tune.schedule._schedule import TRACED_FROM, state_of
 from slapo_tune.space import format_point
 
 from _helpers import blocks, uncompared

@@ -22,7 +22,7 @@ def test_on_one_rank_it_is_plain_cross_entropy():
     import torch
     import torch.nn.functional as F
 
-    from slapo_tune._vocab_loss import vocab_parallel_cross_entropy
+    from slapo_tune.parallel._vocab_loss import vocab_parallel_cross_entropy
 
     logits = torch.randn(2, 5, 11, requires_grad=True)
     labels = torch.randint(0, 11, (2, 5))

@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slapo_tune as st
-from slapo_tune._schedule import state_of
 from slapo_tune.cost_model import CostModel, hardware
 from slapo_tune.launch import launch
 from slapo_tune.parallelize import apply_checkpointing
 from slapo_tune.problem import ProblemSpec
+from slapo_tune.schedule._schedule import state_of
 from slapo_tune.space import format_point
 
 from _helpers import blocks, token_batch, uncompared

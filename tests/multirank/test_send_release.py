@@ -1,11 +1,11 @@
 """Interleaved pipelines let each send go once its receive is proven posted
-(:mod:`slapo_tune._send_release`), where torch's runtime keeps every send until the step ends:
+(:mod:`slapo_tune.parallel._send_release`), where torch's runtime keeps every send until the step ends:
 the same loss and gradients bit for bit, a lower measured peak, and the bound the cost model uses."""
 
 import pytest
 
-from slapo_tune._send_release import pending_gradient_sends
 from slapo_tune.launch import launch
+from slapo_tune.parallel._send_release import pending_gradient_sends
 from slapo_tune.problem import ProblemSpec
 
 WORLD, PP, VPP, MICRO = 2, 2, 2, 16

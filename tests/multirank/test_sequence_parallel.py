@@ -14,7 +14,6 @@ import torch
 import transformers
 
 import slapo_tune as st
-from slapo_tune._schedule import state_of
 from slapo_tune.cost_model import CostModel, hardware
 from slapo_tune.errors import ScheduleError
 from slapo_tune.launch import launch
@@ -26,6 +25,7 @@ from slapo_tune.parallelize import (
     sequence_shards,
 )
 from slapo_tune.problem import ProblemSpec
+from slapo_tune.schedule._schedule import state_of
 from slapo_tune.space import format_point
 
 from _helpers import blocks, family_module, uncompared

@@ -14,9 +14,10 @@ from torch import nn
 
 import slapo_tune as st
 import slapo_tune.compat as slapo
-from slapo_tune import _graph, op
-from slapo_tune._schedule import state_of
+from slapo_tune import op
 from slapo_tune.launch import launch
+from slapo_tune.schedule import _graph
+from slapo_tune.schedule._schedule import state_of
 
 from _fidelity_workers import run_fidelity_suite
 

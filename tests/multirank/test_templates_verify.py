@@ -136,7 +136,7 @@ def test_zero_levels_and_bf16_parameters_verify_at_world_4(tmp_path):
 def test_data_parallel_averages_every_full_gradient_bucket():
     """Replicated data parallelism averages gradients through 32 MiB buckets: a GPT-2 widened to
     hidden 768 has ~116 MB of them, so three full buckets and a partial one cross the wire."""
-    from slapo_tune._data_parallel import _BUCKET_BYTES
+    from slapo_tune.parallel._data_parallel import _BUCKET_BYTES
 
     spec = _spec("gpt2-tiny", 2, n_embd=768)
     assert sum(p.numel() for p in spec.model_spec.build("meta").parameters()) * 4 > 3 * _BUCKET_BYTES

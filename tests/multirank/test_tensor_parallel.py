@@ -62,7 +62,7 @@ def test_without_torch_distributed_every_collective_is_the_identity():
     import torch
     import torch.distributed as dist
 
-    from slapo_tune import _comm
+    from slapo_tune.parallel import _comm
 
     assert not dist.is_initialized()
     assert (_comm.group_size(None), _comm.group_rank(None)) == (1, 0)

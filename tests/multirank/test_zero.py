@@ -110,7 +110,7 @@ def test_zero1_upcasts_each_blocks_bf16_gradients_as_its_backward_ends():
     parallelism (zero=0, fp32 master weights) to bf16 rounding."""
     from _zero_workers import bf16_gradients_alive
 
-    from slapo_tune._data_parallel import largest_module_list
+    from slapo_tune.parallel._data_parallel import largest_module_list
 
     spec = ProblemSpec("gpt2-tiny", 2, model_overrides={"n_layer": 6, "vocab_size": 512}, global_batch=8,
                        seq_len=16, precision="bf16")

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 import slapo_tune as st
-import slapo_tune._build as build_mod
+import slapo_tune.schedule._build as build_mod
 
 from _helpers import token_batch, tp_schedule
 
@@ -129,7 +129,7 @@ def test_zero3_makes_every_block_its_own_sharded_unit(fake_group, preset, templa
 
 
 def test_the_block_list_is_the_module_list_holding_the_most_parameters():
-    from slapo_tune._data_parallel import largest_module_list
+    from slapo_tune.parallel._data_parallel import largest_module_list
 
     class Model(nn.Module):
         def __init__(self):
@@ -150,7 +150,7 @@ def test_data_parallel_all_reduces_gradients_in_buckets_of_32_mib(fake_group, mo
 
     import torch.distributed as dist
 
-    from slapo_tune import _data_parallel
+    from slapo_tune.parallel import _data_parallel
 
     sizes, made, alive_at_cat = [], [], []
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: sizes.append(t.numel() * t.element_size()))

@@ -17,17 +17,13 @@ PACKAGES = ("slapo_tune", "search_spaces", "runners")
 # with an entry equal to its name or a package above it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("schedule language and runtime", (
-        "slapo_tune._atomic", "slapo_tune._inputs", "slapo_tune._owned", "slapo_tune._vocab_loss", "slapo_tune.errors",
-        "slapo_tune._context_parallel",
-        "slapo_tune._comm",
-        "slapo_tune._sharding",
-        "slapo_tune._state", "slapo_tune._graph", "slapo_tune._tracing", "slapo_tune._schedule", "slapo_tune._pipeline",
-        "slapo_tune._build",
-        "slapo_tune._data_parallel", "slapo_tune._verify", "slapo_tune.parallelize", "slapo_tune.topology",
+        "slapo_tune._atomic", "slapo_tune._inputs", "slapo_tune._owned", "slapo_tune.errors",
+        "slapo_tune.parallel", "slapo_tune.schedule",
+        "slapo_tune._verify", "slapo_tune.parallelize", "slapo_tune.topology",
         "slapo_tune.runtime", "slapo_tune.models", "slapo_tune.launch", "slapo_tune.data", "slapo_tune.space",
         "slapo_tune.memory", "slapo_tune.checkpoint", "slapo_tune.units",
         "slapo_tune.precision", "slapo_tune._master_weights", "slapo_tune.device", "slapo_tune.styles",
-        "slapo_tune._partition", "slapo_tune._send_release", "slapo_tune._patterns", "slapo_tune.op", "slapo_tune.compat")),
+        "slapo_tune._partition", "slapo_tune.op", "slapo_tune.compat")),
     ("templates", ("slapo_tune.template", "slapo_tune.plan", "slapo_tune.problem", "slapo_tune.schedule_file",
                    "search_spaces")),
     ("session and training job", ("slapo_tune.session", "slapo_tune.apply", "slapo_tune.checks", "slapo_tune.train")),

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slapo_tune as st
-from slapo_tune._patterns import call_module
+from slapo_tune.schedule._patterns import call_module
 
 from _helpers import bias_then, token_batch
 

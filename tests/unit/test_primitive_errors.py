@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import slapo_tune as st
-from slapo_tune._schedule import state_of
+from slapo_tune.schedule._schedule import state_of
 
 
 def _snapshot(model: nn.Module):
@@ -72,7 +72,7 @@ def test_sharded_modules_describe_their_local_shard(gpt2, bias_first):
     """After sharding at tp=2, every module's size attributes are those of its local weights (code
     that reads ``out_features``, ``nf`` or ``num_embeddings``, as Hugging Face does, sees the shard),
     and the output layout it declares is where its output is split."""
-    from slapo_tune._graph import FusedLinear
+    from slapo_tune.schedule._graph import FusedLinear
 
     model, sch = gpt2  # n_embd 66, vocabulary 512, 256 positions
     for name, axis in [("bias", 0), ("weight", 1)][:: 1 if bias_first else -1]:  # Conv1D: weight is [in, out]

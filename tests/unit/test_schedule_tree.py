@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 import slapo_tune as st
-from slapo_tune._schedule import state_of
+from slapo_tune.schedule._schedule import state_of
 
 
 def test_paths_address_submodules_and_flatten_module_lists():

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..._schedule import state_of
 from ...errors import ShardingError
+from ...schedule._schedule import state_of
 from ..sharding import reduce_forward_output
 
 

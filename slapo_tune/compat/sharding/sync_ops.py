@@ -1,5 +1,5 @@
 """Slapo's ``slapo.sharding.sync_ops``: collectives with their conjugate backward, by Slapo's
-names and argument order, over :mod:`slapo_tune._comm`.
+names and argument order, over :mod:`slapo_tune.parallel._comm`.
 
 =================================  ================================  ==================================
 function                           forward                           backward
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from ... import _comm
+from ...parallel import _comm
 
 
 def all_gather_forward_output(inp: torch.Tensor, dim: int, group: ProcessGroup | None,

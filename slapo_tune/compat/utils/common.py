@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..._state import _PostHook, _PreHook, state_of
+from ...schedule._state import _PostHook, _PreHook, state_of
 
 HOOK_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import _comm
-from ._context_parallel import chunk_positions
+from ..errors import PipelineError
+from ..parallel import _comm
+from ..parallel._context_parallel import chunk_positions
 from ._schedule import Schedule, cut_nodes
 from ._state import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, direct_tensors, record_init_owners
-from .errors import PipelineError
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import ScheduleError
 from . import _comm
-from .errors import ScheduleError
 
 IGNORE_INDEX = -100
 # set on the scheduled model's root module (its __dict__, copied with the model's structure) by

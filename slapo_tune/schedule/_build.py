@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from ._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
-from ._master_weights import MasterWeights
-from ._partition import rank_stages
+from .._master_weights import MasterWeights
+from .._partition import rank_stages
+from ..errors import MaterializeError, PipelineError, ScheduleError
+from ..parallel._data_parallel import ZERO_STAGES, largest_module_list, shard_data_parallel
+from ..precision import precision as precision_named
 from ._pipeline import (
     StageInfo,
     StageModule,
@@ -32,8 +34,6 @@ from ._pipeline import (
 from ._schedule import Schedule
 from ._sharding import rule_for
 from ._state import INIT_OWNERS_ATTR, INIT_PARTS, TRACED_FROM, direct_tensors, state_of
-from .errors import MaterializeError, PipelineError, ScheduleError
-from .precision import precision as precision_named
 
 _UNIT_ELEMENTS = 1 << 26  # ~256 MiB of fp32 per unit at full size
 
@@ -274,17 +274,17 @@ def build(
 
     Validates the schedule, keeps this rank's pipeline stage (when the schedule has cuts),
     materialises meta tensors (see :func:`materialize`), moves the model to ``device`` / ``dtype``,
-    applies sharded data parallelism (``zero`` 1-3, see :mod:`slapo_tune._data_parallel`) and the
+    applies sharded data parallelism (``zero`` 1-3, see :mod:`slapo_tune.parallel._data_parallel`) and the
     ``precision``'s parameter dtype (:mod:`slapo_tune.precision`: FSDP2's mixed-precision policy
     where sharded, :class:`~slapo_tune.precision.MasterWeights` in ``stage.master`` otherwise).
     Works the same on CPU (gloo) and CUDA (nccl). ``init_weights`` replaces the model's own
     initialiser for meta tensors (see :func:`materialize`); real tensors are never re-initialised.
 
     Without a ``topology`` the model itself is returned. With one (see
-    :func:`slapo_tune.topology.init_topology`) a :class:`~slapo_tune._pipeline.StageModule` is
+    :func:`slapo_tune.topology.init_topology`) a :class:`~slapo_tune.schedule._pipeline.StageModule` is
     returned, which :class:`slapo_tune.runtime.TrainStep` runs with micro-batching for any ``pp``;
     a schedule cut into ``pp * vpp`` stages gives each rank ``vpp`` of them, interleaved
-    (:class:`~slapo_tune._pipeline.VirtualStages`).
+    (:class:`~slapo_tune.schedule._pipeline.VirtualStages`).
     """
 
     if not isinstance(sch, Schedule):

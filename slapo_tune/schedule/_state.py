@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import _comm
+from ..errors import SyncError
+from ..parallel import _comm
 from ._sharding import REPLICATED, Layout, ShardSpec, partition
-from .errors import SyncError
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 TRACED_FROM = "_slapo_traced_from"

@@ -23,7 +23,9 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from . import _comm, _graph, _tracing
+from ..errors import PipelineError, ScheduleError, ScheduleKeyError, ShardingError, SyncError
+from ..parallel import _comm
+from . import _graph, _tracing
 from ._sharding import PARTIAL, Layout, ShardEffect, ShardSpec, is_conv1d, rule_for
 from ._state import (
     CHECKPOINT_POLICIES,
@@ -38,7 +40,6 @@ from ._state import (
     copy_hooks,
     state_of,
 )
-from .errors import PipelineError, ScheduleError, ScheduleKeyError, ShardingError, SyncError
 
 
 def _required_positional(fn: Callable) -> int:
@@ -131,10 +132,10 @@ class Schedule:
 
         A string is a regular expression over descendant paths: the nodes whose relative path
         matches fully. A function of tensors (``lambda x, b: F.gelu(x + b)``) or an ``nn.Module``
-        is a subgraph pattern: its non-overlapping :class:`~slapo_tune._graph.Match` es in this
+        is a subgraph pattern: its non-overlapping :class:`~slapo_tune.schedule._graph.Match` es in this
         traced module. Module calls and their functional forms match each other
         (``nn.GELU(approximate="tanh")`` finds ``F.gelu(..., approximate="tanh")`` and GPT-2's
-        ``gelu_new``; see ``slapo_tune._patterns``). A pattern that matches nothing, or cannot be
+        ``gelu_new``; see ``slapo_tune.schedule._patterns``). A pattern that matches nothing, or cannot be
         matched, raises :class:`PatternError`.
         """
         if callable(pattern):
@@ -153,7 +154,7 @@ class Schedule:
         root (use the new model directly) and for modules with sharded parameters (shard the new
         module instead). Returns the new node.
 
-        With ``target``: a :class:`~slapo_tune._graph.Match` from :meth:`find` (on this traced
+        With ``target``: a :class:`~slapo_tune.schedule._graph.Match` from :meth:`find` (on this traced
         module) is replaced by one call of ``new_module`` (a module or function of the match's
         inputs): vertical fusion; returns the name of the inserted submodule. A list of sibling
         nodes (e.g. ``find(r"self_attn\.[qkv]_proj")``) is fused horizontally into
@@ -213,7 +214,7 @@ class Schedule:
         calls it, or ``model_inputs`` for the whole model, from which this module's call is
         captured. Raises :class:`TraceError` naming the module and the reason. ``levels``: Slapo's
         options (``concrete_args``, ``leaf_names``, ``flatten``, ``recursive``, ``config``; see
-        :func:`slapo_tune._tracing.trace_levels`), used by ``slapo_tune.compat``.
+        :func:`slapo_tune.schedule._tracing.trace_levels`), used by ``slapo_tune.compat``.
         """
         if model_inputs is not None:
             example_args, example_kwargs = _graph.capture_call(self.root.mod, self.mod, model_inputs)
@@ -440,7 +441,7 @@ class Schedule:
         Non-reentrant (keyword inputs work, e.g. Hugging Face layers), and the RNG state is
         replayed, so dropout masks in the recomputation equal the first ones: results are exact.
 
-        With ``target``, a :class:`~slapo_tune._graph.Match` from :meth:`find` on this traced
+        With ``target``, a :class:`~slapo_tune.schedule._graph.Match` from :meth:`find` on this traced
         module, only that subgraph is checkpointed: it becomes one submodule call whose inner
         activations are recomputed (its inputs and result are kept); returns the submodule's name.
         """

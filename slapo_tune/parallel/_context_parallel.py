@@ -28,9 +28,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from ..errors import ScheduleError
 from . import _comm
 from ._vocab_loss import IGNORE_INDEX, loss_parallel, require_causal_lm_loss, vocab_parallel_cross_entropy
-from .errors import ScheduleError
 
 # attention implementations under context parallelism, by the kernel they stand for
 CP_ATTENTION = {"sdpa": "slapo_cp_sdpa", "eager": "slapo_cp_eager"}

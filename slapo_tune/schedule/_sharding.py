@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ._comm import all_gather_tensor
-from .errors import ShardingError
+from ..errors import ShardingError
+from ..parallel._comm import all_gather_tensor
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .._partition import GRADIENT_BUCKET_BYTES as _BUCKET_BYTES
 from ._comm import group_size
-from ._partition import GRADIENT_BUCKET_BYTES as _BUCKET_BYTES
 
 ZERO_STAGES = (0, 1, 2, 3)
 

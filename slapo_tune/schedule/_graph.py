@@ -26,10 +26,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import PatternError, ScheduleError, TraceError
 from ._patterns import NormalForm, has_normal_form, normal_form
 from ._sharding import is_conv1d
 from ._state import INIT_PARTS, ModuleState, checkpointed_call, state_of
-from .errors import PatternError, ScheduleError, TraceError
 
 
 class FusedLinear(nn.Linear):
@@ -128,7 +128,7 @@ class _PatternTracer(_Tracer):
 def trace_module(module: nn.Module, path: str, example_args: tuple | None = None,
                  example_kwargs: dict | None = None, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
     """A GraphModule computing what ``module`` computes (parameters shared, not copied). (Slapo's
-    tracing, level by level: :func:`slapo_tune._tracing.trace_levels`.)"""
+    tracing, level by level: :func:`slapo_tune.schedule._tracing.trace_levels`.)"""
     if isinstance(module, fx.GraphModule):
         raise TraceError(f"trace('{path}'): already traced")
     try:
@@ -245,7 +245,7 @@ def _pattern_graph(node, pattern: Callable):
 def _matcher(pattern: fx.Graph, target: NormalForm, *, by_operation: bool):
     """A subgraph matcher over normal forms (torch's ``SubgraphMatcher``, imported here only).
 
-    A pattern's :func:`~slapo_tune._patterns.call_module` node matches a call of a module whose
+    A pattern's :func:`~slapo_tune.schedule._patterns.call_module` node matches a call of a module whose
     path its expression matches, whatever the module's normal form (the other pattern nodes still
     see ``F.relu`` in a ``ReLU`` whose path the expression also matches); it gives the module its
     arguments, the module's own (weights, attributes) are not compared.

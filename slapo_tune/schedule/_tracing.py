@@ -28,9 +28,9 @@ from torch import nn
 from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
 
+from ..errors import TraceError
 from ._graph import _Tracer
 from ._state import _HOOK_DICTS, TRACED_FROM
-from .errors import TraceError
 
 EXAMPLE_VALUE = "slapo_example_value"  # node.meta key: the node's value for the example inputs
 EXAMPLE_BATCH, EXAMPLE_SEQUENCE = 2, 16  # distinct and > 1, so no size-1 branch is baked in
