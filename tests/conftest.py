@@ -146,7 +146,7 @@ def ray_cluster():
     os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)  # Cluster() expects it under RAY_TMPDIR
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "HOME", "RAY_AUTH_MODE")}
     os.environ.update(RAY_TMPDIR=ray_tmp, HOME=ray_tmp, RAY_AUTH_MODE="token")
-    from slapo_tune.search._cluster import _free_port, ensure_auth_token
+    from runners.ray_cluster import _free_port, ensure_auth_token
 
     ensure_auth_token()  # the nodes and every client of the session read it
     # this process imported Ray already: its cached configuration re-read, so that it sends the token
@@ -240,7 +240,7 @@ def _stop_by_pid(pid: int, grace: float = 30.0) -> None:
         os.kill(pid, signal.SIGQUIT)
     except ProcessLookupError:
         return
-    from slapo_tune.search._cluster import _alive  # (a zombie left to a parent that does not reap is not)
+    from runners.ray_cluster import _alive  # (a zombie left to a parent that does not reap is not)
 
     deadline = time.monotonic() + grace
     while _alive(pid) and time.monotonic() < deadline:

@@ -17,9 +17,8 @@ from ..plan import readable
 from ..precision import default_precision, runnable
 from ..problem import Problem
 from ..search import DEFAULT_STRATEGY, STRATEGIES, TuneConfig, Tuner
-from ..search._cluster import connect, runtime_env_of
 from ..search._report import no_result_reason
-from ..search._storage import check_storage, redact, storage_url
+from ..search._storage import STORAGE_ENV, check_storage, redact, storage_url
 from ..space import format_point, parse_knobs
 from ..units import format_size, parse_duration, parse_size, size_at_least
 from . import EXIT_NO_RESULT, EXIT_OK, interrupted_exit_code
@@ -154,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
     check_storage(storage_at)  # an unusable URL fails here, before anything is started or written
     if args.keep_dashboard and args.ray_address != "local":
         raise UsageError("--keep-dashboard keeps the head of --ray-address local; an attached cluster stays up anyway")
+    # torch-free: every --help imports this module; the runners package imports torch
+    from runners.ray_cluster import connect, runtime_env_of
+
     runtime_env = runtime_env_of(args.runtime_env)
     # made now, not at the first local launch (with Ray there may be none): this also removes the
     # multiprocessing folders of SIGKILLed drivers before anything else runs
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"slapo-tune: no result: {unfit}", file=sys.stderr)
         return EXIT_NO_RESULT
     cluster = connect(args.ray_address, out if args.ray_address != "local" else _mkdir(out), args.world_size,
-                      args.concurrency, device=setup, runtime_env=runtime_env, net_if=args.net_if)
+                      args.concurrency, device=setup, runtime_env=runtime_env, net_if=args.net_if,
+                      withheld=(STORAGE_ENV,))  # the study's storage URL, password and all: not Ray's
     try:
         config = TuneConfig(problem=problem.spec, out=out, trials=args.trials, time_budget=time_budget,
                             strategy=args.strategy, objective=args.objective, storage=storage_at,

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
+from runners import ray_cluster
 from slapo_tune.cli import EXIT_FAILED, EXIT_NO_RESULT, EXIT_USAGE, main
-from slapo_tune.search import _cluster
 
 # a space of a few points (micro-batch sizes) on 2 ranks, one measured step per trial
 SMALL = ["--ray-address", "none", "--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8",
@@ -71,7 +71,7 @@ def test_every_trial_failing_exits_3_with_one_line_naming_the_most_common_failur
 
 
 class _FastClock:
-    """``time`` for _cluster: every reading 100 s after the last, sleeping takes no time (a head
+    """``time`` for ray_cluster: every reading 100 s after the last, sleeping takes no time (a head
     that never answers times out at once, whatever the timeout)."""
 
     def __init__(self):
@@ -89,7 +89,7 @@ class _FastClock:
 def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_path, monkeypatch, head):
     """A head that never answers (a loaded machine) or that exits while starting: one line naming
     the head's log, exit 1 (infrastructure), not 2; the head's process is stopped."""
-    for name, value in _cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
+    for name, value in ray_cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
         monkeypatch.setenv(name, value)
     # the "head": a process of its own session, as start_head makes it, that never listens
     lifetime = 0 if head == "exits" else 600
@@ -97,8 +97,8 @@ def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_pat
     try:
         if head == "exits":
             proc.wait(timeout=30)
-        monkeypatch.setattr(_cluster, "start_head", lambda out, cpus: (proc.pid, "127.0.0.1:9", "http://x", None))
-        monkeypatch.setattr(_cluster, "time", _FastClock())
+        monkeypatch.setattr(ray_cluster, "start_head", lambda out, cpus, withheld: (proc.pid, "127.0.0.1:9", "http://x", None))
+        monkeypatch.setattr(ray_cluster, "time", _FastClock())
         code, stdout, err = _run(capsys, "tune", *SMALL, "--ray-address", "local", "--out", str(tmp_path / "out"))
         assert code == EXIT_FAILED and code != EXIT_USAGE and len(err) == 1, err
         what = "did not answer at 127.0.0.1:9" if head == "silent" else "exited while starting"
@@ -106,7 +106,7 @@ def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_pat
         assert err[0].endswith(f"(log: {tmp_path / 'out' / 'ray_head.log'})"), err
         assert "; --ray-address none runs the trials as local processes, without Ray (log:" in err[0], err
         assert proc.wait(timeout=30) is not None  # stopped by the tuner (by its process group)
-        assert not (tmp_path / "out" / _cluster.HEAD_FILE).exists()
+        assert not (tmp_path / "out" / ray_cluster.HEAD_FILE).exists()
     finally:
         proc.kill()
         proc.wait()

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
+from runners import ray_cluster
 from slapo_tune import device
 from slapo_tune.cli import EXIT_FAILED, EXIT_NO_RESULT, EXIT_USAGE, main
 from slapo_tune.cli import tune as tune_command
-from slapo_tune.search import _cluster
 
 TUNE = ["tune", "--ray-address", "none", "--model", "gpt2-tiny", "--global-batch", "8", "--seq-len", "32",
         "--confirm", "0", "--knobs", "tp=1,pp=1,zero=0,ckpt_ratio=0,attn=sdpa,fuse=off"]
@@ -81,7 +81,7 @@ def test_a_local_head_that_exits_says_why_from_its_log_and_what_runs_without_ray
     """The real start_head, with a `ray` that fails as Ray does: one line with the reason from this
     head's lines of ray_head.log (not an earlier head's, not Ray's closing words) and the
     --ray-address none that needs no head; exit 1; the head's temp folder and head file removed."""
-    for name, value in _cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
+    for name, value in ray_cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))  # not the user's ~/.ray
     bin_dir = tmp_path / "bin"
@@ -102,7 +102,7 @@ def test_a_local_head_that_exits_says_why_from_its_log_and_what_runs_without_ray
     started = log.read_text().splitlines()[2]
     assert started.startswith(f"slapo-tune: starting a Ray head: {bin_dir / 'ray'} start --head")
     temp = started.split("--temp-dir=", 1)[1].split()[0]
-    assert not (out / _cluster.HEAD_FILE).exists() and not Path(temp).exists()
+    assert not (out / ray_cluster.HEAD_FILE).exists() and not Path(temp).exists()
 
 
 @pytest.mark.parametrize("text,reason", [
@@ -121,8 +121,8 @@ def test_a_local_head_that_exits_says_why_from_its_log_and_what_runs_without_ray
 def test_the_reason_read_from_a_heads_log(tmp_path, text, reason):
     log = tmp_path / "ray_head.log"
     log.write_text(text)
-    assert _cluster.head_log_reason(log) == reason
-    assert _cluster.head_log_reason(tmp_path / "none.log") == "nothing in its log"
+    assert ray_cluster.head_log_reason(log) == reason
+    assert ray_cluster.head_log_reason(tmp_path / "none.log") == "nothing in its log"
 
 
 def test_a_head_file_of_a_dead_head_is_removed_and_a_live_ones_kept(tmp_path):
@@ -134,30 +134,30 @@ def test_a_head_file_of_a_dead_head_is_removed_and_a_live_ones_kept(tmp_path):
     out, temp, busy = tmp_path / "out", tmp_path / "slapo-ray-1", tmp_path / "slapo-ray-2"
     for folder in (out, temp / "session_latest", busy):
         folder.mkdir(parents=True)
-    head_file = out / _cluster.HEAD_FILE
+    head_file = out / ray_cluster.HEAD_FILE
 
     def record(pid: int, folder) -> None:
         head_file.write_text(json.dumps({"pid": pid, "address": "127.0.0.1:9", "dashboard": "http://127.0.0.1:9",
                                          "temp": str(folder)}))
 
     record(ended.pid, temp)
-    _cluster.connect("none", out, 2, None).stop()
+    ray_cluster.connect("none", out, 2, None).stop()
     assert not head_file.exists() and not temp.exists()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", f"--temp-dir={busy}"],
                             start_new_session=True)
     try:
         record(live.pid, busy)
-        _cluster.connect("none", out, 2, None).stop()
+        ray_cluster.connect("none", out, 2, None).stop()
         assert head_file.is_file() and busy.is_dir()  # its head runs
         record(ended.pid, busy)
-        _cluster.connect("none", out, 2, None).stop()
+        ray_cluster.connect("none", out, 2, None).stop()
         assert not head_file.exists() and busy.is_dir()  # a running process names the folder
     finally:
         live.kill()
         live.wait()
     head_file.write_text('{"pid": ')  # cut short
-    assert _cluster.remove_stale_head(out) and not head_file.exists()
-    assert not _cluster.remove_stale_head(out)  # nothing there
+    assert ray_cluster.remove_stale_head(out) and not head_file.exists()
+    assert not ray_cluster.remove_stale_head(out)  # nothing there
 
 
 def _study(*trials: tuple[str, str]):

@@ -152,8 +152,8 @@ def test_a_node_lost_mid_trial_is_one_lost_trial_and_the_next_fits_what_is_left(
     import ray._private.worker as ray_worker
     from ray.util.state import list_actors
 
+    from runners.ray_cluster import _free_port, route_ray_messages
     from runners.ray_runner import RayRunner
-    from slapo_tune.search._cluster import _free_port, route_ray_messages
 
     monkeypatch.setattr(ray_worker, "print_to_stdstream", ray_worker.print_to_stdstream)  # restored after
     log = tmp_path / "ray.log"
@@ -247,7 +247,7 @@ def test_the_store_listens_on_the_interface_the_user_named_else_at_the_node_addr
     assert store_address("10.0.0.5", {"GLOO_SOCKET_IFNAME": "ib1"}, interfaces) == "10.0.0.5"
     assert store_address("10.0.0.5", {"GLOO_SOCKET_IFNAME": "nosuch"}, interfaces) == "10.0.0.5"
     # --net-if: both variables in the runtime environment of the driver's job, beside what it held
-    from slapo_tune.search._cluster import with_interface
+    from runners.ray_cluster import with_interface
 
     assert with_interface({"env_vars": {"A": "1"}, "pip": ["x"]}, "ib0") == {
         "env_vars": {"A": "1", "GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "ib0"}, "pip": ["x"]}
@@ -255,7 +255,7 @@ def test_the_store_listens_on_the_interface_the_user_named_else_at_the_node_addr
 
 
 def test_keep_dashboard_leaves_the_head_up_and_prints_the_command_that_stops_it(tmp_path):
-    from slapo_tune.search._cluster import Cluster
+    from runners.ray_cluster import Cluster
 
     temp, head_file = tmp_path / "slapo-ray-1", tmp_path / ".ray_head.json"
     temp.mkdir()
@@ -279,8 +279,8 @@ def test_keep_dashboard_leaves_the_head_up_and_prints_the_command_that_stops_it(
 
 
 def test_runtime_env_ships_the_package_or_a_wheel(tmp_path):
+    from runners.ray_cluster import runtime_env_of
     from slapo_tune.errors import UsageError
-    from slapo_tune.search._cluster import runtime_env_of
 
     shipped = runtime_env_of("package")["py_modules"]
     assert [Path(p).name for p in shipped] == ["slapo_tune", "runners", "search_spaces"]

@@ -143,7 +143,7 @@ def test_device_setup_decides_kind_backend_and_count(monkeypatch, fake_cuda):
 @pytest.mark.parametrize("gpus,world,expected", [(8, 4, 2), (8, 3, 2), (8, 8, 1), (8, 1, 8), (1, 1, 1),
                                                  (8, 16, None), (1, 2, None)])
 def test_trials_in_flight_are_gpus_over_world(fake_cuda, gpus, world, expected):
-    from slapo_tune.search._cluster import connect
+    from runners.ray_cluster import connect
 
     fake_cuda(gpus)
     setup = device_setup("cuda")
@@ -166,7 +166,7 @@ def test_cpu_concurrency_stays_cores_over_world():
 
 def test_ray_fit_counts_the_clusters_gpus(monkeypatch):
     ray = pytest.importorskip("ray")
-    from slapo_tune.search._cluster import _fit
+    from runners.ray_cluster import _fit
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 96.0, "GPU": 8.0})
     cuda = device_setup("cuda", here=False)  # the driver needs no GPU of its own

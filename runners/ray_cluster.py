@@ -28,15 +28,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._atomic import atomic_write_text
-from .._inputs import parse_json
-from ..device import DeviceSetup, default_concurrency, device_setup
-from ..errors import InfrastructureError, UsageError
-from ..launch import INTERFACE_VARIABLES, usable_cores
-from ._storage import STORAGE_ENV
+from slapo_tune._atomic import atomic_write_text
+from slapo_tune._inputs import parse_json
+from slapo_tune.device import DeviceSetup, default_concurrency, device_setup
+from slapo_tune.errors import InfrastructureError, UsageError
+from slapo_tune.launch import INTERFACE_VARIABLES, usable_cores
+
+from .local import LocalRunner
+from .ray_runner import RayRunner
 
 HEAD_FILE = ".ray_head.json"
 HEAD_TEMP_PREFIX = "slapo-ray-"  # a local head's temp folder: /tmp/slapo-ray-PORT
@@ -228,8 +231,9 @@ def ensure_auth_token() -> Path:
     return path
 
 
-def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
-    """Start a local Ray head on the loopback; returns (pid, GCS address, dashboard URL, temp folder)."""
+def start_head(out: Path, num_cpus: int, withheld: Collection[str] = ()) -> tuple[int, str, str, Path]:
+    """Start a local Ray head on the loopback; returns (pid, GCS address, dashboard URL, temp folder).
+    ``withheld``: environment variables of this process the head must not see (the caller's secrets)."""
     ray_exe = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_exe is None:
         raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none")
@@ -244,8 +248,8 @@ def start_head(out: Path, num_cpus: int) -> tuple[int, str, str, Path]:
     ensure_auth_token()  # the head reads it; this driver too
     log.write(f"{HEAD_LOG_MARK}: {shlex.join(cmd)}\n".encode())
     log.flush()
-    # (the study's storage URL, password and all, is none of Ray's business: it is not passed on)
-    env = {**{k: v for k, v in os.environ.items() if k != STORAGE_ENV}, **LOCAL_HEAD_ENV}
+    # (the caller's secrets, such as the study's storage URL, password and all, are none of Ray's business)
+    env = {**{k: v for k, v in os.environ.items() if k not in withheld}, **LOCAL_HEAD_ENV}
     # the temp files of the head's processes and trials in its own folder, removed with it: its
     # dashboard's multiprocessing folder (pymp-*) outlived every stopped head in $TMPDIR
     head_tmp = temp / "tmp"
@@ -401,17 +405,15 @@ def check_reachable(address: str, timeout: float = 3.0) -> None:
 
 def connect(ray_address: str, out: Path, world_size: int, concurrency: int | None,
             device: DeviceSetup | None = None, runtime_env: dict | None = None,
-            net_if: str | None = None) -> Cluster:
+            net_if: str | None = None, withheld: Collection[str] = ()) -> Cluster:
     """A runner for ``--ray-address``: ``none`` (local processes), ``local`` (a head this tuner
     starts or re-attaches to), or the address of a running cluster. ``device``: where the ranks run
     (default: this machine's CPU); trials in flight default to what its devices hold
     (:func:`slapo_tune.device.default_concurrency`: GPUs // world size on CUDA, cores on CPU).
     ``runtime_env``: Ray's runtime environment for the trials (:func:`runtime_env_of`);
     ``net_if``: the network interface of the ranks' rendezvous and collectives (default: the one
-    holding the node's Ray address, see :func:`runners.ray_runner.rendezvous_interface`)."""
-    # torch-free: every --help imports this module (the tune command imports the tuner); runners imports torch
-    from runners import LocalRunner
-
+    holding the node's Ray address, see :func:`runners.ray_runner.rendezvous_interface`);
+    ``withheld``: environment variables a head this tuner starts must not see (:func:`start_head`)."""
     device = device or device_setup("cpu")
     cores = len(usable_cores())
     if out is not None:  # whichever --ray-address: a user told to use `none` leaves a dead head's file behind
@@ -424,9 +426,6 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
         import ray  # noqa: F401
     except ImportError:
         raise UsageError("Ray is not installed: pip install 'ray[default]', or use --ray-address none") from None
-    # torch-free: every --help imports this module (the tune command imports the tuner); runners imports torch
-    from runners.ray_runner import RayRunner
-
     namespace = "slapo-tune"
     runtime_env = with_interface(runtime_env, net_if)
     if ray_address == "local":
@@ -436,7 +435,7 @@ def connect(ray_address: str, out: Path, world_size: int, concurrency: int | Non
             pid, address, dashboard = recorded["pid"], recorded["address"], recorded["dashboard"]
             temp = Path(recorded["temp"]) if recorded.get("temp") else None  # (heads started before it was kept)
         else:
-            pid, address, dashboard, temp = start_head(out, cores)
+            pid, address, dashboard, temp = start_head(out, cores, withheld)
             atomic_write_text(head_file, json.dumps({"pid": pid, "address": address, "dashboard": dashboard,
                                                      "temp": str(temp)}))
         try:
