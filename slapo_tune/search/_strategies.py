@@ -1,5 +1,6 @@
-"""Search strategies: which point to try next. Each is an Optuna sampler (see ``_samplers``, which
-imports Optuna: it is loaded only when a tuner is built, not by the CLI's argument parsing)."""
+"""Search strategies: which point to try next. Each is an Optuna sampler (see ``_samplers``, one
+module per strategy, which imports Optuna: it is loaded only when a tuner is built, not by the
+CLI's argument parsing)."""
 
 from __future__ import annotations
 

@@ -369,7 +369,7 @@ def test_guided_numbers_knob_values_as_a_walk_of_the_space_meets_them(grid):
     """The features are built knob by knob (a large model's space has 10^5-10^6 points), yet
     numbered as a walk of the points, row by row and a row's knobs in name order, meets the values
     (the numbering fixes the order of the fit's sums: a search's trials depend on it)."""
-    from slapo_tune.search._samplers import _features
+    from slapo_tune.search._samplers._guided import _features
 
     results, budget, _, _ = grid
     points = replay_tuner("guided", 0, "analytic", results, budget, trials=1)[0].sampler._tables()["points"]
