@@ -80,10 +80,15 @@ NAMED = (
              ("tests/e2e/test_train.py::test_bad_schedule_is_one_line_exit_2",
               "tests/e2e/test_train.py::test_malformed_schedule_files_are_refused_by_train_and_valid_ones_run")),
     Mutation("the driver forgets the points in flight", "slapo_tune/search/_driver.py",
-             "            if key in known.status or key in known.running or not self._reserved(trial.number, key):",
+             "            if key in known.status or key in known.running or not holds(self.study, trial.number, key):",
              "            if key in known.status:",  # (the reservation alone also keeps its own points in flight)
              ("tests/unit/test_search.py::test_a_sampler_repeating_a_running_point_does_not_launch_it_twice",
               "tests/unit/test_search.py::test_no_point_twice_and_pruned_points_never_launched")),
+    Mutation("a trial's constraint set by Optuna's public set_constraint (optuna-dashboard shows it feasible)",
+             "slapo_tune/search/_constraints.py",
+             "    trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (value,))",
+             "    trial.set_constraint(\"0\", value)",
+             ("tests/unit/test_search.py::test_a_recorded_constraint_is_the_one_optuna_and_optuna_dashboard_read",)),
     Mutation("resume never re-queues an interrupted trial", "slapo_tune/search/_driver.py",
              '                if point and t.number not in retried and "retry_of" not in t.user_attrs:\n'
              "                    self._queue_retry(study, t.number, point)",

@@ -17,10 +17,7 @@ beside the candidates, so the gain the summary states is measured side by side (
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import socket
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -48,9 +45,11 @@ from ._confirm import (
     side_by_side_gain,
     why_confirmed,
 )
-from ._known import KnownReader, settled_status, trial_status
+from ._constraints import record_constraint
+from ._known import KnownReader, trial_status
 from ._outputs import OUTPUTS_ATTR, Outputs
 from ._report import out_of_the_box, statuses, tune_command
+from ._shared import driver_name, held_elsewhere, holds, other_driver_live, register
 from ._storage import is_journal, journal_path, open_storage, redact
 from ._strategies import DEFAULT_STRATEGY, Strategy, make_strategy, random_unknown
 
@@ -62,30 +61,12 @@ if TYPE_CHECKING:
     from ..cost_model import Predictions
 
 MAX_DUPLICATES = 3  # consecutive known points from a sampler before the driver picks one itself
-# how long a driver waits for an earlier-asked trial of another driver to name its point before
-# deciding a reservation without it (a driver killed between ask and naming leaves one for good)
-RESERVATION_WAIT = 10.0
 # infrastructure failures in a row, per trial in flight, after which the study stops: every point
 # is retried once, so a cluster that fails every trial would otherwise be asked forever
 INFRA_IN_A_ROW = 3
 # fitting points (by the analytic verdict) checked by the tuner's own pruning, nearest first, for
 # the default made to fit: the analytic verdict is optimistic, exact mode may refuse a few
 MADE_TO_FIT_TRIES = 20
-
-
-def driver_alive(driver: str) -> bool | None:
-    """Whether the driver named ``driver`` (``host:pid:tag``) still runs: True or False on this
-    host (its process exists or not), None on another (it cannot be told from here)."""
-    host, _, rest = driver.partition(":")
-    if host != socket.gethostname():
-        return None
-    try:
-        os.kill(int(rest.split(":")[0]), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
 
 
 @dataclass
@@ -191,8 +172,7 @@ class Tuner:
         self.cost = cost or CostModel(self.problem, hardware(config.hardware) if config.hardware
                                       else hardware_for(device_setup(self.problem.spec.device, here=False))[0])
         self._known = KnownReader()  # what the study knows: point key -> status, told values, running
-        # this driver's name in the study: other drivers on it leave its running trials alone
-        self.driver = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.driver = driver_name()  # (other drivers on the study leave its running trials alone)
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
                                                           predict=self._predictions, known=self._known)
         self.outputs = (Outputs(self.config.out, self.problem, self.config.strategy, self._command())
@@ -257,9 +237,7 @@ class Tuner:
             with warnings.catch_warnings():  # experimental since Optuna 3.2, unchanged since
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(metrics)
-        # registered before its first ask: another driver starting meanwhile leaves this one's
-        # trials alone, even one asked but not yet named (_held_elsewhere)
-        study.set_user_attr(f"driver:{self.driver}", time.time())
+        register(study, self.driver)
         self._recover(study)
         return study
 
@@ -366,15 +344,12 @@ class Tuner:
         trials = study.get_trials(deepcopy=False)
         recent = 2 * self.config.trial_time_limit + 60  # how long a trial of another host's driver may run
         # another registered driver still runs: a trial not named yet (asked a moment ago) is its
-        other_live = any(name != self.driver and (driver_alive(name) or (driver_alive(name) is None
-                                                                         and time.time() - since < recent))
-                         for name, since in ((k.removeprefix("driver:"), v) for k, v in study.user_attrs.items()
-                                             if k.startswith("driver:")))
+        other_live = other_driver_live(study, self.driver, recent)
         retried = {t.user_attrs.get("retry_of") for t in trials}
         others = False
         for t in trials:
             point = t.user_attrs.get("point")
-            if t.state == TrialState.RUNNING and self._held_elsewhere(t, other_live, recent):
+            if t.state == TrialState.RUNNING and held_elsewhere(t, self.driver, other_live, recent):
                 others = True
                 continue
             if t.state == TrialState.RUNNING:
@@ -402,23 +377,6 @@ class Tuner:
         the trial it retries, and a retry is never retried."""
         study.enqueue_trial(self.space.params_of(point), user_attrs={"retry_of": number})
 
-    def _held_elsewhere(self, trial, other_live: bool, recent: float) -> bool:
-        """A RUNNING ``trial`` another live driver runs (see :meth:`_recover`): its driver's
-        process exists (this host) or the trial started less than ``recent`` seconds ago (another
-        host). A trial not named yet (asked a moment ago) is another's while ``other_live``: some
-        other driver registered on the study is alive."""
-        import datetime
-
-        driver = trial.user_attrs.get("driver")
-        if driver is None:
-            return other_live
-        if driver == self.driver:
-            return False
-        alive = driver_alive(driver)
-        if alive is None and trial.datetime_start is not None:
-            alive = (datetime.datetime.now() - trial.datetime_start).total_seconds() < recent
-        return bool(alive)
-
     # ------------------------------------------------------------------ ask / tell
     def _ask(self) -> tuple[Trial, Point] | None:
         """(trial, point) for the next point, or None when the space has nothing left to try."""
@@ -442,37 +400,14 @@ class Tuner:
             trial.set_user_attr("driver", self.driver)
             key = point_key(point)
             # samplers do not see running trials (TPE offers one promising point to every free slot);
-            # another driver on the study may have just named the same point (_reserved)
-            if key in known.status or key in known.running or not self._reserved(trial.number, key):
+            # another driver on the study may have just named the same point (holds)
+            if key in known.status or key in known.running or not holds(self.study, trial.number, key):
                 duplicates += 1
                 values = known.values.get(key)  # none when it failed or still runs: nothing to learn again
                 constraint = None if values is None else 1.0 if known.status[key].infeasible else 0.0
                 self._tell(trial, point, TrialStatus.DUPLICATE, values, constraint)
                 continue
             return trial, point
-
-    def _reserved(self, number: int, key: str) -> bool:
-        """Whether trial ``number``, just named point ``key``, holds it: no trial asked before it
-        names the same point. Every trial names its point right after it is asked, so once each
-        earlier running trial has one (waiting up to RESERVATION_WAIT for another driver's) the
-        earliest-asked holder is known to every driver alike, and only it launches the point."""
-        from optuna.trial import TrialState
-
-        deadline = time.monotonic() + RESERVATION_WAIT
-        while True:
-            earlier = [t for t in self.study.get_trials(deepcopy=False) if t.number < number]
-            unnamed = [t for t in earlier if t.state == TrialState.RUNNING and "point" not in t.user_attrs]
-            if not unnamed or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for t in earlier:
-            point = t.user_attrs.get("point")
-            if point is None or point_key(point) != key:
-                continue
-            # a repeat, or a trial whose point is queued again (interrupted, an infrastructure failure), holds nothing
-            if t.state == TrialState.RUNNING or settled_status(t) is not None:
-                return False
-        return True
 
     def _infeasible_values(self) -> list[float]:
         return [0.0, float(self.config.memory_budget) * 4] if self.config.multi_objective else [0.0]
@@ -507,16 +442,13 @@ class Tuner:
         set (> 0: infeasible, which TPE reads), ``values`` told (None: failed), the progress counted;
         then, for a trial the outputs show (not a repeat), the event reported and the outputs
         rewritten."""
-        from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
         from optuna.trial import TrialState
 
         trial.set_user_attr("status", status.value)
         for name, value in (attrs or {}).items():
             trial.set_user_attr(name, value)
         if constraint is not None:
-            # the "constraints" list Optuna's constraints_func writes: Optuna's samplers read it (as
-            # constraint "0") and so does optuna-dashboard, which reads no Trial.set_constraint key
-            trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (constraint,))
+            record_constraint(trial, constraint)
         told = self.study.tell(trial, values) if values is not None else self.study.tell(trial, state=TrialState.FAIL)
         self.progress.count(status, point, values[0] if values else None)
         if status is TrialStatus.DUPLICATE:  # a repeat changes nothing a user sees: no event, no rewrite

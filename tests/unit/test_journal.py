@@ -44,9 +44,9 @@ def pristine(grid, tmp_path_factory) -> Path:
 def earlier_drivers_gone(monkeypatch):
     """The drivers that wrote the journals so far have exited (in a test they are this process,
     which lives on: a resumed driver would leave their running trials to them)."""
-    from slapo_tune.search import _driver
+    from slapo_tune.search import _shared
 
-    monkeypatch.setattr(_driver, "driver_alive", lambda name: False)
+    monkeypatch.setattr(_shared, "driver_alive", lambda name: False)
 
 
 def _tuner(grid, journal: Path, trials: int, runner=None):

@@ -455,6 +455,26 @@ def test_no_point_twice_and_pruned_points_never_launched(grid, strategy, concurr
             assert not t.constraints, (t.number, status)  # failed: nothing learnt
 
 
+def test_a_recorded_constraint_is_the_one_optuna_and_optuna_dashboard_read():
+    """``record_constraint`` writes Optuna's private ``"constraints"`` list (optuna-dashboard reads
+    no other): this fails if Optuna renames or reformats it (its public ``FrozenTrial.constraints``,
+    which TPE, NSGA-II and GP read, then misses it) or if the dashboard reads another key."""
+    import optuna
+    from optuna_dashboard._serializer import serialize_frozen_trial
+
+    from slapo_tune.search._constraints import record_constraint
+
+    study = optuna.create_study()
+    for value in (0.5, 0.0):
+        trial = study.ask()
+        record_constraint(trial, value)
+        study.tell(trial, 1.0)
+    infeasible, feasible = study.trials
+    assert infeasible.constraints == {"0": 0.5} and feasible.constraints == {"0": 0.0}
+    assert list(serialize_frozen_trial(0, infeasible, {})["constraints"]) == [0.5]  # (a tuple in memory)
+    assert list(serialize_frozen_trial(0, feasible, {})["constraints"]) == [0.0]
+
+
 @pytest.mark.parametrize("strategy", ["grid", "model", "frontier", "guided"])
 def test_an_ordered_strategy_skips_the_points_in_flight(grid, strategy):
     """An ordered strategy works out its next point from the told trials and the running ones: with
