@@ -89,6 +89,9 @@ NAMED = (
              "    trial.storage.set_trial_system_attr(trial._trial_id, _CONSTRAINTS_KEY, (value,))",
              "    trial.set_constraint(\"0\", value)",
              ("tests/unit/test_search.py::test_a_recorded_constraint_is_the_one_optuna_and_optuna_dashboard_read",)),
+    Mutation("a tuner opens its study when built (its constructor writes the storage)", "slapo_tune/search/_driver.py",
+             "        self._study: Study | None = None\n", "        self._study: Study | None = None\n        self.open()\n",
+             ("tests/unit/test_journal.py::test_building_a_tuner_touches_no_storage_and_opening_it_does",)),
     Mutation("resume never re-queues an interrupted trial", "slapo_tune/search/_driver.py",
              '                if point and t.number not in retried and "retry_of" not in t.user_attrs:\n'
              "                    self._queue_retry(study, t.number, point)",

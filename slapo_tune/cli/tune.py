@@ -179,13 +179,14 @@ def run(args: argparse.Namespace) -> int:
         shown = [k for k in problem.space.names if len(problem.space.domain(k)) > 1]  # the knobs that vary
         view = TuneView("quiet" if args.quiet else "json" if args.json_lines else "auto", budget, shown)
         tuner = Tuner(config, cluster.runner, problem=problem, report=view, cost=cost)
+        study_name = tuner.study.study_name  # (the study opened: a resumed one at odds with this run fails here)
         storage_shown = redact(storage_at, storage_at) if storage_at else str(out / "study.journal")
         if not args.json_lines:
             ranks = f"{args.world_size} {setup.name} rank(s), one GPU each" if setup.cuda else f"{args.world_size} cpu rank(s)"
             header = [f"slapo-tune: {args.model} on {ranks}", precision, f"budget {budget_text} per rank", hardware_line,
                       f"strategy {config.strategy}", f"{config.trials} trial(s)",
                       f"{cluster.runner.concurrency} in flight", cluster.describe(),
-                      f"study '{tuner.study.study_name}' in {storage_shown}"]
+                      f"study '{study_name}' in {storage_shown}"]
             # broken at spaces (the cluster's description is longer than a line)
             print("\n".join(wrapped(", ".join(header), width=view.width)), file=sys.stderr, flush=True)
         with view:

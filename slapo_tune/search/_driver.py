@@ -155,7 +155,11 @@ class Progress:
 class Tuner:
     """One tuning run. ``runner`` executes trials (local, Ray, replay); ``report`` is called with
     an event dict after every launch and every told trial (progress bars, JSON lines);
-    ``sampler`` replaces the strategy the config names (a :class:`Strategy`: tests script one)."""
+    ``sampler`` replaces the strategy the config names (a :class:`Strategy`: tests script one).
+
+    Building one touches nothing outside it: the study is opened (created or loaded from its
+    storage, this driver registered in it, interrupted trials recovered, the baseline recorded)
+    by :meth:`open`, which the first use of :attr:`study` and :meth:`run` call."""
 
     def __init__(self, config: TuneConfig, runner, *, problem: Problem | None = None,
                  report: Callable[[dict], None] | None = None, write_outputs: bool = True,
@@ -180,8 +184,20 @@ class Tuner:
         self.progress = Progress()
         self.confirm_seconds = 0.0  # how long this run's confirmation took
         self._in_flight: dict[cf.Future, tuple[Trial, Point, dict]] = {}
-        self.study = self._open_study()
-        self._record_out_of_the_box()
+        self._study: Study | None = None
+
+    @property
+    def study(self) -> Study:
+        """The study, opened on first use (:meth:`open`)."""
+        return self.open()
+
+    def open(self) -> Study:
+        """Open the study once: create or load it, register this driver, recover the trials a
+        killed driver left running, record the baseline. Returns it."""
+        if self._study is None:
+            self._study = self._open_study()
+            self._record_out_of_the_box()
+        return self._study
 
     def _command(self) -> str:
         """The tune command that runs this study again (resumes it), its storage's password hidden."""

@@ -230,11 +230,26 @@ def test_a_journal_cut_within_its_first_record_never_starts_a_new_study(grid, pr
     table.write_text("trial,status\n0,ok\n1,oom\n")  # what the study's outputs listed
     with pytest.raises(UsageError) as refused:
         Tuner(TuneConfig(problem=grid_problem(SMALL, budget), out=out, trials=2, study=STUDY, confirm=0),
-              ReplayRunner(results))
+              ReplayRunner(results)).open()
     message = str(refused.value)
     assert "\n" not in message and f"slapo-tune salvage {path}" in message and f"{table} lists 2 trial(s)" in message
     assert table.read_text() == "trial,status\n0,ok\n1,oom\n"
     assert path.read_bytes() == pristine.read_bytes()[:size]
+
+
+def test_building_a_tuner_touches_no_storage_and_opening_it_does(grid, pristine, tmp_path):
+    """A Tuner's constructor only builds: neither a new journal nor an existing study's is written
+    until the study is opened (by its first use, or :meth:`Tuner.open`), which registers the driver."""
+    fresh = tmp_path / "new" / "study.journal"
+    existing = _copy(pristine, tmp_path)
+    before = existing.read_bytes()
+    new_tuner, _ = _tuner(grid, fresh, 1)
+    resumed, _ = _tuner(grid, existing, TRIALS + 1)
+    assert not fresh.parent.exists() and existing.read_bytes() == before
+    resumed.open()
+    assert existing.read_bytes().startswith(before) and len(existing.read_bytes()) > len(before)
+    assert any(k.startswith("driver:") for k in resumed.study.user_attrs)
+    assert new_tuner.open() is new_tuner.study and fresh.is_file()
 
 
 # ----------------------------------------------------------------------------- cut while a driver runs
