@@ -18,8 +18,8 @@ class LastingReplay(ReplayRunner):
 
 def drive(storage: str, out: str, strategy: str, seed: int, trials: int, queue, barrier=None) -> None:
     """One driver on the shared study: the points it launched, put on ``queue``. With ``barrier``:
-    its search starts when every driver's tuner is built (a driver that started up faster would
-    otherwise run every trial before the other asks for one)."""
+    its search starts when every driver's tuner is built and its study opened (a driver that
+    started up faster would otherwise run every trial before the other asks for one)."""
     from pathlib import Path
 
     from benchmarks.search_strategies import load_grid, replay_tuner
@@ -29,6 +29,7 @@ def drive(storage: str, out: str, strategy: str, seed: int, trials: int, queue, 
         runner = LastingReplay(results)
         tuner, _ = replay_tuner(strategy, seed, "analytic", results, budget, trials, runner=runner,
                                 storage=storage, out=Path(out), study="shared")
+        tuner.open()  # (registered in the study before any driver's search starts)
         if barrier is not None:
             barrier.wait(timeout=300)
         summary = tuner.run()

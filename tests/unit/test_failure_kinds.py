@@ -182,6 +182,7 @@ def test_a_failing_cluster_stops_the_study_and_the_retry_left_runs_on_resume(gri
 
     again = ReplayRunner(results)
     resumed, _ = replay_tuner("grid", 0, "none", results, budget, trials=6, runner=again, storage=storage, study="s")
+    resumed.open()
     assert resumed.progress.launched == 1 and resumed.progress.infrastructure == 3
     done = resumed.run()
     keys = [point_key(p) for p in again.launched]

@@ -119,7 +119,7 @@ def test_a_torn_record_followed_by_intact_ones_is_salvaged_keeping_every_other(g
     original = path.read_bytes()
 
     with pytest.raises(UsageError) as stopped:
-        _tuner(grid, path, TRIALS + 2)
+        _tuner(grid, path, TRIALS + 2)[0].open()
     _one_line_naming_the_salvage(stopped.value, path)
     assert f"line {torn + 1}" in str(stopped.value)
     assert path.read_bytes() == original  # nothing written into it
@@ -192,7 +192,7 @@ def test_garbage_over_the_middle_of_a_journal_loses_only_the_records_it_covers(g
                if (start := sum(len(x) + 1 for x in lines[:i])) < middle + 300 and start + len(line) + 1 > middle}
 
     with pytest.raises(UsageError) as stopped:
-        _tuner(grid, path, TRIALS)
+        _tuner(grid, path, TRIALS)[0].open()
     _one_line_naming_the_salvage(stopped.value, path)
     code = main(["show", "--storage", str(path)])  # every reader: one line, exit 2
     assert code == 2 and capsys.readouterr().err.count("\n") == 1

@@ -525,6 +525,7 @@ def test_a_resumed_study_knows_its_best_trial(grid, tmp_path):
     measured = [r.samples_per_s for r in (runner.table[point_key(p)] for p in runner.launched) if r.status == "ok"]
     assert len(measured) < 12 and done["best"] == max(measured)  # some trials ran out of memory
     again, _ = replay_tuner("random", 0, "none", results, budget, trials=12, storage=storage, study="s")
+    again.open()
     assert (again.progress.best, again.progress.best_point) == (done["best"], done["best_point"])
     assert again.progress.launched == 12
 
@@ -694,4 +695,4 @@ def test_pinned_knobs_hold_in_every_strategy(grid, strategy, tmp_path):
     assert len({point_key(p) for p in runner.launched}) == 6
     assert tuner.study.user_attrs["context"]["knobs"] == {"tp": "2"}
     with pytest.raises(UsageError, match="knobs"):
-        replay_tuner(strategy, 0, "analytic", results, budget, trials=1, storage=storage)
+        replay_tuner(strategy, 0, "analytic", results, budget, trials=1, storage=storage)[0].open()
