@@ -11,6 +11,7 @@ import pytest
 
 from runners import ray_cluster
 from slapo_tune.cli import EXIT_FAILED, EXIT_NO_RESULT, EXIT_USAGE, main
+from slapo_tune.search._storage import STORAGE_ENV
 
 # a space of a few points (micro-batch sizes) on 2 ranks, one measured step per trial
 SMALL = ["--ray-address", "none", "--model", "gpt2-tiny", "--world-size", "2", "--global-batch", "8",
@@ -88,7 +89,8 @@ class _FastClock:
 @pytest.mark.parametrize("head", ["silent", "exits"])
 def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_path, monkeypatch, head):
     """A head that never answers (a loaded machine) or that exits while starting: one line naming
-    the head's log, exit 1 (infrastructure), not 2; the head's process is stopped."""
+    the head's log, exit 1 (infrastructure), not 2; the head's process is stopped. The head would
+    not have seen the study's storage URL (its environment variable is withheld from it)."""
     for name, value in ray_cluster.LOCAL_HEAD_ENV.items():  # (connect sets them in this process: restored after)
         monkeypatch.setenv(name, value)
     # the "head": a process of its own session, as start_head makes it, that never listens
@@ -97,10 +99,13 @@ def test_a_local_head_that_does_not_come_up_is_not_a_usage_error(capsys, tmp_pat
     try:
         if head == "exits":
             proc.wait(timeout=30)
-        monkeypatch.setattr(ray_cluster, "start_head", lambda out, cpus, withheld: (proc.pid, "127.0.0.1:9", "http://x", None))
+        withheld = []
+        monkeypatch.setattr(ray_cluster, "start_head", lambda out, cpus, hidden: withheld.append(hidden)
+                            or (proc.pid, "127.0.0.1:9", "http://x", None))
         monkeypatch.setattr(ray_cluster, "time", _FastClock())
         code, stdout, err = _run(capsys, "tune", *SMALL, "--ray-address", "local", "--out", str(tmp_path / "out"))
         assert code == EXIT_FAILED and code != EXIT_USAGE and len(err) == 1, err
+        assert withheld == [(STORAGE_ENV,)]
         what = "did not answer at 127.0.0.1:9" if head == "silent" else "exited while starting"
         assert err[0].startswith(f"slapo-tune: the local Ray head {what}"), err
         assert err[0].endswith(f"(log: {tmp_path / 'out' / 'ray_head.log'})"), err

@@ -291,3 +291,21 @@ def test_runtime_env_ships_the_package_or_a_wheel(tmp_path):
     assert runtime_env_of('{"pip": ["x"]}') == {"pip": ["x"]} and runtime_env_of(None) is None
     with pytest.raises(UsageError, match="expected package, a .whl file or a JSON object"):
         runtime_env_of("[1]")
+
+
+def test_a_local_head_sees_none_of_what_its_caller_withholds(tmp_path, monkeypatch):
+    """start_head hands the head this process's environment (and Ray's settings of a local head)
+    but the variables named ``withheld``: the tune command withholds the study's storage URL."""
+    import shutil
+    from types import SimpleNamespace
+
+    from runners import ray_cluster
+
+    started = []
+    monkeypatch.setattr(ray_cluster.subprocess, "Popen", lambda cmd, env, **_: started.append(env) or SimpleNamespace(pid=1))
+    monkeypatch.setenv("SECRET_URL", "postgresql://u:pw@h/db")
+    monkeypatch.setenv("KEPT", "1")
+    _, _, _, temp = ray_cluster.start_head(tmp_path, 1, withheld=("SECRET_URL",))
+    shutil.rmtree(temp)
+    (env,) = started
+    assert "SECRET_URL" not in env and env["KEPT"] == "1" and env.items() >= ray_cluster.LOCAL_HEAD_ENV.items()
