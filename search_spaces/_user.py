@@ -70,8 +70,8 @@ class ScheduleFunctionTemplate(Template):
     def blocks_path(self, model: nn.Module) -> str:
         return self.base.blocks_path(model)
 
-    def plan(self, model: nn.Module, fused: bool = False) -> dict[str, Any]:
-        return self.base.plan(model, fused)
+    def tensor_parallel_plan(self, model: nn.Module, fused: bool = False) -> dict[str, Any]:
+        return self.base.tensor_parallel_plan(model, fused)
 
     def tp_refusal(self, config) -> str:
         return self.base.tp_refusal(config)

@@ -62,7 +62,7 @@ class GenericDecoderTemplate(Template):
     def tp_refusal(self, config) -> str:
         return _tp_refusal(self, config)
 
-    def plan(self, model: nn.Module, fused: bool = False) -> dict:
+    def tensor_parallel_plan(self, model: nn.Module, fused: bool = False) -> dict:
         blocks = self.blocks_path(model)
         first = model.get_submodule(f"{blocks}.0")
         attn = next(((n, m) for n, m in first.named_children() if "attention" in type(m).__name__.lower()
@@ -109,11 +109,11 @@ class GenericDecoderTemplate(Template):
 
 
 def _tp_refusal(template: GenericDecoderTemplate, config) -> str:
-    """The reasons the plan of ``config``'s model (built on the meta device) cannot be sharded."""
+    """The reasons the tensor-parallel plan of ``config``'s model (built on the meta device) cannot be sharded."""
     key = config_fingerprint(config)
     if key not in _REFUSALS:
         try:
-            plan = template.plan(model_from_config(config, device="meta"))
+            plan = template.tensor_parallel_plan(model_from_config(config, device="meta"))
         except Exception:  # noqa: BLE001 - no plan at all: applying the template says why, with the path
             plan = {}
         _REFUSALS[key] = "; ".join(s.reason for s in plan.values() if isinstance(s, Unshardable))

@@ -21,11 +21,12 @@ def interleaved_microbatches_ok(n_microbatches: int, pp: int) -> bool:
     return n_microbatches >= pp and n_microbatches % max(1, n_microbatches // pp) == 0
 
 
-# how the templates spread a checkpoint ratio over the blocks, which the cost model predicts
+# how the templates spread a checkpoint ratio over the blocks, which the cost model predicts (a
+# "spread", as ``ckpt_policy`` names what a checkpointed block recomputes)
 CKPT_SPREAD = "uniform"
 
 
-def checkpointed_indices(num_layers: int, ratio: float, policy: str = CKPT_SPREAD) -> list[int]:
+def checkpointed_indices(num_layers: int, ratio: float, spread: str = CKPT_SPREAD) -> list[int]:
     """Which of ``num_layers`` blocks to checkpoint for a ``ratio`` in [0, 1].
 
     ``round(ratio * num_layers)`` blocks are chosen. ``"first"`` takes the first k (they hold
@@ -35,10 +36,10 @@ def checkpointed_indices(num_layers: int, ratio: float, policy: str = CKPT_SPREA
     if not 0.0 <= ratio <= 1.0:
         raise ScheduleError(f"checkpoint ratio must be in [0, 1], got {ratio}")
     k = int(math.floor(ratio * num_layers + 0.5))
-    if policy == "first":
+    if spread == "first":
         return list(range(k))
-    if policy != "uniform":
-        raise ScheduleError(f"checkpoint policy must be 'uniform' or 'first', got {policy!r}")
+    if spread != "uniform":
+        raise ScheduleError(f"checkpoint spread must be 'uniform' or 'first', got {spread!r}")
     if k == 0:
         return []
     return sorted({int(i * num_layers / k) for i in range(k)})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,10 @@ def _distinct_ratios(layers: int) -> list[float]:
     return out
 
 
+_PLAN_RENAMED = ("Template.plan(model, fused) is renamed tensor_parallel_plan(model, fused): define and call "
+                 "that (plan() is removed in the next release)")
+
+
 class Template:
     """Base class of schedule templates. Subclasses set the class attributes or override hooks."""
 
@@ -114,9 +119,9 @@ class Template:
     def blocks_path(self, model: nn.Module) -> str:
         return self.blocks
 
-    def plan(self, model: nn.Module, fused: bool = False) -> dict[str, Any]:
-        """The tensor-parallel plan; with ``fused`` the fusion groups' layers are replaced by the
-        fused layer (same style as the first one)."""
+    def tensor_parallel_plan(self, model: nn.Module, fused: bool = False) -> dict[str, Any]:
+        """The tensor-parallel plan ({module path glob: style}); with ``fused`` the fusion groups'
+        layers are replaced by the fused layer (same style as the first one)."""
         plan = dict(self.tp_plan)
         if fused:
             for parent, (names, fused_name) in self.fusion_groups.items():
@@ -124,6 +129,27 @@ class Template:
                 if styles:
                     plan[f"{parent}.{fused_name}"] = styles[0]
         return plan
+
+    def plan(self, model: nn.Module, fused: bool = False) -> dict[str, Any]:
+        """Deprecated (removed in the next release): the old name of :meth:`tensor_parallel_plan`,
+        renamed as "plan" also names :class:`slapo_tune.plan.Plan` and the ``plan`` command."""
+        mro = type(self).__mro__
+        legacy = [i for i, c in enumerate(mro) if c.__dict__.get("_legacy_plan")]
+        if not legacy:
+            warnings.warn(_PLAN_RENAMED, DeprecationWarning, stacklevel=2)
+        # reached by ``super().plan()`` from an override of the old name: go on with the plan of the
+        # classes below the last such override (their ``tensor_parallel_plan`` is that override)
+        below = next(c for c in mro[legacy[-1] + 1 if legacy else 0:] if "tensor_parallel_plan" in c.__dict__)
+        return below.tensor_parallel_plan(self, model, fused)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a template written before the rename overrides ``plan``: it stays the template's plan for
+        # one release (build applies ``tensor_parallel_plan``)
+        if "plan" in cls.__dict__ and "tensor_parallel_plan" not in cls.__dict__:
+            warnings.warn(f"template {cls.__qualname__}: {_PLAN_RENAMED}", DeprecationWarning, stacklevel=2)
+            cls.tensor_parallel_plan = cls.__dict__["plan"]
+            cls._legacy_plan = True
 
     def tp_refusal(self, config) -> str:
         """Why this template cannot shard the model of ``config`` at all ("" when it can)."""
@@ -277,7 +303,7 @@ class Template:
         if fused:
             self.fuse(sch, model)
         sequence_parallel = knob_value(point, "sp") == "on"
-        plan = self.plan(model, fused=fused)
+        plan = self.tensor_parallel_plan(model, fused=fused)
         if knob_value(point, "loss_parallel") == "on":
             if sch.world_size > 1:
                 plan = vocab_parallel_head(plan)

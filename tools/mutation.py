@@ -381,6 +381,12 @@ NAMED = (
              "            if (at is not None and self.proof.posted(self.rank, at, action)) or all(",
              "            if False and (at is not None and self.proof.posted(self.rank, at, action)) or all(",
              ("tests/multirank/test_send_release.py::test_peak_lower_by_the_sends_torch_keeps",)),
+    Mutation("a template overriding the old name plan() is sharded by its base's plan", "slapo_tune/template.py",
+             '            cls.tensor_parallel_plan = cls.__dict__["plan"]', "            pass",
+             ("tests/unit/test_space.py::test_a_template_overriding_the_old_plan_name_is_sharded_by_its_override_with_a_deprecation_warning",)),
+    Mutation("super().plan() from an override of the old name comes back to that override", "slapo_tune/template.py",
+             "in mro[legacy[-1] + 1 if legacy else 0:]", "in mro",
+             ("tests/unit/test_space.py::test_a_template_overriding_the_old_plan_name_is_sharded_by_its_override_with_a_deprecation_warning",)),
 )
 
 # module -> the default tests that exercise it (the sweep runs them, fastest first, for each mutant)

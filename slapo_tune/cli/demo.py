@@ -38,7 +38,7 @@ def demo_rank(ctx, spec: ProblemSpec) -> str:
     template, batch, seq = problem.template, problem.workload.global_batch, problem.workload.seq_len
     reference = build_model(spec.model)
     sch = create_schedule(build_model(spec.model))
-    apply_tensor_parallel(sch, template.plan(sch.mod))
+    apply_tensor_parallel(sch, template.tensor_parallel_plan(sch.mod))
     apply_checkpointing(template.block_nodes(sch), 0.5)
     model = build(sch, seed=0)
     g = torch.Generator().manual_seed(0)

@@ -18,7 +18,6 @@ from search_spaces import template_for
 from .._partition import rank_block_count
 from ..errors import UsageError
 from ..plan import KNOB_DEFAULTS, accumulation, knob_value
-from ..precision import precision as precision_named
 from ..problem import Problem
 from ..units import format_size
 from . import calibration as _calibration
@@ -141,7 +140,7 @@ class CostModel:
         self.template, self.workload = problem.template, problem.workload
         self.layout = layout or _layout(problem)
         self.precision = self.workload.precision
-        if precision_named(self.precision).fp8 and not device.fp8_flops:
+        if self.workload.mode.fp8 and not device.fp8_flops:
             raise UsageError(f"precision fp8: {device.name} has no FP8 tensor cores (no fp8_flops); "
                              f"choose a preset with FP8 ({', '.join(k for k, v in PRESETS.items() if v.fp8_flops)}) "
                              f"or bf16")

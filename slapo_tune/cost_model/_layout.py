@@ -11,7 +11,7 @@ from typing import Any
 
 from .._atomic import atomic_write_text
 from ..models import config_fingerprint, model_from_config
-from ..precision import precision as precision_named
+from ..precision import Precision
 from ..template import Template
 from ._probe import activation_probe
 from .hardware import _cache_dir
@@ -133,11 +133,11 @@ def _measure_layout(config: Any, template: Template) -> ModelLayout:
     )
 
 
-def scores_materialised(layout: ModelLayout, attn: str, precision: str, gpu: bool = False) -> bool:
+def scores_materialised(layout: ModelLayout, attn: str, mode: Precision, gpu: bool = False) -> bool:
     """Does the attention kernel write the score matrix? Eager does; SDPA never on a GPU (a fused
     kernel: FlashAttention-2 or the memory-efficient one, attention dropout included), on a CPU
     where the activation probe found it keeping scores in ``precision`` (torch's math fallback:
     attention dropout)."""
     if attn == "eager":
         return True
-    return not gpu and layout.score_bytes.get(precision_named(precision).measured_as, {}).get(attn, 0.0) > 0
+    return not gpu and layout.score_bytes.get(mode.measured_as, {}).get(attn, 0.0) > 0

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..plan import Workload, knob_value
-from ..precision import precision
+from ..precision import Precision
 from ._columns import _at_least_zero, _pick
 from ._layout import ModelLayout, scores_materialised
 
@@ -136,13 +136,12 @@ MOMENT_BYTES = 8  # AdamW's two fp32 moments
 
 
 @functools.lru_cache(maxsize=64)
-def model_state_bytes(precision_name: str, zero: int, dp: int) -> Mapping[str, float]:
+def model_state_bytes(mode: Precision, zero: int, dp: int) -> Mapping[str, float]:
     """Bytes per parameter of each model state held between steps, the closed forms of ZeRO:
     replicated fp32 / amp-bf16 16 (weights 4, gradients 4, AdamW 8), bf16 18 (bf16 weights 2,
     fp32 master 4, gradients 4, AdamW 8); sharded (``zero`` >= 1 over ``dp`` > 1 ranks) 16 / dp
     at every precision (fp32 shards 4, gradient shards 4, AdamW 8; under bf16 the shards are the
     masters and the bf16 weights exist only gathered)."""
-    mode = precision(precision_name)
     if zero and dp > 1:
         states = {"weights": 0.0 if mode.master else SHARD_BYTES / dp, "master": MASTER_BYTES / dp if mode.master else 0.0,
                   "gradients": GRAD_BYTES / dp, "optimizer": MOMENT_BYTES / dp}
@@ -268,7 +267,7 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     sel_par = measured.get("sel/par", B * (q + 2 * kv + layout.intermediate * (2 if layout.gated_mlp else 1)))
     sel_par_1 = tokens * sel_par / tp if selective else 0.0
     sel_1 = tokens * sel_rep + sel_par_1 if selective else 0.0
-    materialised = scores_materialised(layout, attn, workload.precision, gpu=backend == "nccl")
+    materialised = scores_materialised(layout, attn, workload.mode, gpu=backend == "nccl")
     score_bytes = layout.score_bytes.get(mode.measured_as, {}).get(attn, 2.0 * B if attn == "eager" else 0.0) \
         if materialised else 0.0
     scores_1 = b * (layout.heads / tp) * (s / cp) * s * score_bytes

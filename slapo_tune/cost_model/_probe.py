@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from ..models import model_from_config
 from ..plan import knob_value
+from ..precision import Precision
 from ..precision import precision as precision_named
 from ..template import ModelInfo, Template, set_attention
 
@@ -27,6 +28,10 @@ class ProbeRun(NamedTuple):
     attn: str
     precision: str
     seq: int
+
+    @property
+    def mode(self) -> Precision:
+        return precision_named(self.precision)
 
 
 def probe_tp(config: Any, template: Template | None = None) -> int:
@@ -95,7 +100,7 @@ def probe_block(config: Any, template: Template | None, point: Mapping[str, Any]
     from ..topology import init_topology
 
     tp = point["tp"]
-    runs = sorted(set(runs), key=lambda r: precision_named(r.precision).master)  # bf16 last: its cast is one-way
+    runs = sorted(set(runs), key=lambda r: r.mode.master)  # bf16 last: its cast is one-way
     sequence_parallel = tp > 1 and knob_value(point, "sp") == "on"
     alive = alive or sequence_parallel
     layers = layers or (3 if alive else 2)
@@ -130,7 +135,7 @@ def probe_block(config: Any, template: Template | None, point: Mapping[str, Any]
             cast = False
             for run in runs:
                 try:
-                    mode = precision_named(run.precision)
+                    mode = run.mode
                     if mode.master and not cast:  # bf16 parameters, as MasterWeights makes them
                         for p in {id(p): p for p in model.parameters()}.values():
                             p.data = p.data.to(mode.param_dtype)

@@ -159,7 +159,7 @@ def _read_knobs(layout: ModelLayout, point: Mapping[str, Any], workload: Workloa
     grads_key = "gradients" if accumulating else "gradients_single"
     interleaved = _same(vpp > 1)
     gloo = backend == "gloo"
-    state_bytes = {k: _each(lambda d, k=k: model_state_bytes(workload.precision, level, d)[k], dp)
+    state_bytes = {k: _each(lambda d, k=k: model_state_bytes(workload.mode, level, d)[k], dp)
                    for k in ("weights", "master", "optimizer")}
     tokens = b * s / knob_value(point, "cp")  # context parallelism: this rank's chunk of each sequence
     # loss_parallel: the loss in place on the head's logits (the vocabulary-parallel cross-entropy,

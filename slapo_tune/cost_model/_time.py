@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..plan import Workload, accumulation, knob_value
+from ..precision import Precision
 from ._columns import _max, _min
 from ._layout import ModelLayout, scores_materialised
 from ._memory import GRAD_BYTES
@@ -121,12 +122,12 @@ FSDP_OVERLAP = 0.5
 FLASH_EFFICIENCY = 0.75
 
 
-def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, precision: str,
+def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, mode: Precision,
                   gpu: bool = False) -> Any:
     """Elements one block's memory-bound kernels read and write in forward, per token (see
     :data:`NORM_PASSES`); tensor parallelism divides what is inside its regions. On a GPU, SDPA is
     a fused kernel (no score passes); on a CPU it writes scores where the probe found them kept
-    in ``precision``. Fusion saves passes on a GPU only: on a CPU the templates fuse with the eager
+    in precision ``mode``. Fusion saves passes on a GPU only: on a CPU the templates fuse with the eager
     backend (inductor would need a C++ toolchain and minutes of compilation per trial), which runs
     the same element-wise operators (measured on the recorded GPT-2 grid: fused / unfused step time
     1.00 on median over 58 pairs). Elementwise over arrays of points (:func:`time_columns`)."""
@@ -139,7 +140,7 @@ def block_traffic(layout: ModelLayout, point: Mapping[str, Any], seq_len: int, p
     if gated:
         inside += ROTARY_PASSES * (q + kv)
     kernels = set(attn.tolist()) if isinstance(attn, np.ndarray) else {attn}
-    written = [a for a in kernels if scores_materialised(layout, a, precision, gpu)]
+    written = [a for a in kernels if scores_materialised(layout, a, mode, gpu)]
     scores = np.isin(attn, written) if isinstance(attn, np.ndarray) else attn in written
     inside += choose(scores, SCORE_PASSES * layout.heads * seq_len, 0)
     # sequence parallelism runs what is outside the regions on a sequence shard
@@ -322,7 +323,7 @@ def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Work
     attn_fwd = choose((point["attn"] == "sdpa") & gpu,
                         4 * b * heads * (s / cp) * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
                         b * heads * (gemm(s / cp, layout.head_dim, s) + gemm(s / cp, s, layout.head_dim)))
-    traffic_fwd = (tokens * block_traffic(layout, point, s, workload.precision, gpu) * B / bandwidth
+    traffic_fwd = (tokens * block_traffic(layout, point, s, workload.mode, gpu) * B / bandwidth
                    if hw.memory_bandwidth else 0.0)
     # forward and backward (twice the forward), and recomputation: a fully checkpointed block runs
     # its forward again, a selectively checkpointed one all but its matrix products

@@ -27,7 +27,7 @@ from ._pipeline import (
     StageModule,
     VirtualStages,
     make_stage,
-    plan_stages,
+    pipeline_cuts,
     set_compute_dtype,
     structural_copy,
 )
@@ -294,13 +294,13 @@ def build(
                             f"state, gradients, parameters sharded), got {zero}")
     mode = precision_named(precision)
     if mode.fp8:
-        raise ScheduleError("build(): precision fp8 is modelled by the plan only: the runtime does not convert "
-                            "linear layers to FP8 (use bf16)")
+        raise ScheduleError("build(): precision fp8 is modelled by the cost model (`plan`) only: the runtime does not "
+                            "convert linear layers to FP8 (use bf16)")
     validate(sch)
-    plan = plan_stages(sch)
-    stages = plan.num_stages if plan is not None else 1
+    cuts = pipeline_cuts(sch)
+    stages = cuts.num_stages if cuts is not None else 1
     if topology is None:
-        if plan is not None:
+        if cuts is not None:
             raise PipelineError(
                 f"build(): the schedule cuts the model into {stages} pipeline stages; "
                 f"pass topology=init_topology(pp={stages}, ...)"
@@ -311,9 +311,9 @@ def build(
             raise ScheduleError(f"build(): precision {precision} keeps master weights for a training step; "
                                 "pass a topology")
     elif stages % topology.pp or (stages > 1 and topology.pp == 1):
-        cuts = ", ".join(f"'{plan.block_path(last)}'" for _, last in plan.stages[:-1]) if plan else "none"
+        after = ", ".join(f"'{cuts.block_path(last)}'" for _, last in cuts.stages[:-1]) if cuts else "none"
         raise PipelineError(
-            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {cuts}) but pp={topology.pp} "
+            f"build(): the schedule cuts the model into {stages} stage(s) (cuts after: {after}) but pp={topology.pp} "
             "ranks cannot share them (an interleaved pipeline holds a multiple of pp stages, over pp > 1 ranks)"
         )
 
@@ -333,7 +333,7 @@ def build(
     models = [model] + [structural_copy(model) for _ in indices[1:]]
     chunks = []
     for index, copy in zip(indices, models, strict=True):
-        info = make_stage(copy, plan, index) if plan is not None else StageInfo(0, 1, "", "")
+        info = make_stage(copy, cuts, index) if cuts is not None else StageInfo(0, 1, "", "")
         finish(copy)
         chunks.append(StageModule(copy, info, topology))
     stage = chunks[0] if len(chunks) == 1 else VirtualStages(chunks, topology)
@@ -343,9 +343,9 @@ def build(
         else None
     if sharded:
         for index, chunk in zip(indices, chunks, strict=True):
-            if plan is not None:
-                lo, hi = plan.stages[index]
-                blocks = [chunk.model.get_submodule(plan.block_path(i)) for i in range(lo, hi + 1)]
+            if cuts is not None:
+                lo, hi = cuts.stages[index]
+                blocks = [chunk.model.get_submodule(cuts.block_path(i)) for i in range(lo, hi + 1)]
             else:
                 found = largest_module_list(chunk.model)
                 blocks = list(found[1]) if found else []

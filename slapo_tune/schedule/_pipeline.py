@@ -34,8 +34,8 @@ from ._state import _HOOK_DICTS, INIT_PARTS, TRACED_FROM, direct_tensors, record
 
 
 @dataclass
-class StagePlan:
-    """Which blocks of the repeated block list each stage runs."""
+class PipelineCuts:
+    """Where the pipeline cuts fall: which blocks of the repeated block list each stage runs."""
 
     blocks_path: str
     block_names: list[str]
@@ -49,14 +49,14 @@ class StagePlan:
         return f"{self.blocks_path}.{self.block_names[index]}"
 
 
-def plan_stages(sch: Schedule) -> StagePlan | None:
+def pipeline_cuts(sch: Schedule) -> PipelineCuts | None:
     """The stages the schedule's ``cut_pipeline_stage`` marks define (None when there are no cuts)."""
-    cuts = cut_nodes(sch)
-    if not cuts:
+    nodes = cut_nodes(sch)
+    if not nodes:
         return None
-    parent = cuts[0].parent
+    parent = nodes[0].parent
     names = list(parent.child)
-    index = sorted(names.index(node.name) for node in cuts)
+    index = sorted(names.index(node.name) for node in nodes)
     if index[-1] == len(names) - 1:
         raise PipelineError(
             f"cut_pipeline_stage('{parent.child[names[-1]].path}'): a cut after the last block leaves the "
@@ -67,7 +67,7 @@ def plan_stages(sch: Schedule) -> StagePlan | None:
         stages.append((start, i))
         start = i + 1
     stages.append((start, len(names) - 1))
-    return StagePlan(parent.path, names, stages)
+    return PipelineCuts(parent.path, names, stages)
 
 
 class _StageExit(Exception):  # noqa: N818 - control flow, not an error
@@ -214,18 +214,18 @@ def set_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
             module.dtype = dtype
 
 
-def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
+def make_stage(model: nn.Module, cuts: PipelineCuts, index: int) -> StageInfo:
     """Keep only stage ``index`` of ``model`` (in place) and describe it."""
     calls = _dry_run(model)
-    first_block, last_block = plan.block_path(0), plan.block_path(len(plan.block_names) - 1)
+    first_block, last_block = cuts.block_path(0), cuts.block_path(len(cuts.block_names) - 1)
     if first_block not in calls:
         raise PipelineError(f"the forward of {type(model).__name__} never calls '{first_block}'")
     start, end = calls[first_block].order, calls[last_block].order
-    block_prefix = plan.blocks_path + "."
+    block_prefix = cuts.blocks_path + "."
     pre, post = [], []
     for path, m in model.named_modules():
-        if (not path or path not in calls or path.startswith(block_prefix) or plan.blocks_path.startswith(path + ".")
-                or path == plan.blocks_path or not _has_params(m)):
+        if (not path or path not in calls or path.startswith(block_prefix) or cuts.blocks_path.startswith(path + ".")
+                or path == cuts.blocks_path or not _has_params(m)):
             continue
         (pre if calls[path].order < start else post if calls[path].order > end else []).append(path)
     pre, post = _topmost(pre), _topmost(post)
@@ -234,9 +234,9 @@ def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
     for name, p in model.named_parameters(remove_duplicate=False):
         full_names.setdefault(id(p), []).append(name)
     record_init_owners(model)
-    lo, hi = plan.stages[index]
-    info = StageInfo(index, plan.num_stages, plan.block_path(lo), plan.block_path(hi))
-    last = plan.num_stages - 1
+    lo, hi = cuts.stages[index]
+    info = StageInfo(index, cuts.num_stages, cuts.block_path(lo), cuts.block_path(hi))
+    last = cuts.num_stages - 1
     if index > 0:
         for path in pre:
             call = calls[path]
@@ -254,10 +254,10 @@ def make_stage(model: nn.Module, plan: StagePlan, index: int) -> StageInfo:
     if index < last:
         for path in post:
             _set_submodule(model, path, _Absent(path))
-    for i in range(len(plan.block_names)):
+    for i in range(len(cuts.block_names)):
         if not lo <= i <= hi:
-            _set_submodule(model, plan.block_path(i), _Skip(calls[plan.block_path(i)].output_tuple_len))
-    if plan.num_stages > 1 and index in (0, last):
+            _set_submodule(model, cuts.block_path(i), _Skip(calls[cuts.block_path(i)].output_tuple_len))
+    if cuts.num_stages > 1 and index in (0, last):
         # A tensor used both before and after the blocks (GPT-2's embedding and LM head) now has a
         # copy on the first and on the last stage; their gradients must be summed every step.
         present = {id(p): name for name, p in model.named_parameters()}

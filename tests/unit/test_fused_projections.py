@@ -34,7 +34,7 @@ def test_fused_projections_refuse_tp_in_space_verify_and_schedule(tmp_path, caps
     model = build_model(path)
     sch = st.create_schedule(model)
     with pytest.raises(st.ScheduleError, match=r"'model.layers.0.self_attn.qkv_proj': .* is a fused projection"):
-        apply_tensor_parallel(sch, problem.template.plan(model))
+        apply_tensor_parallel(sch, problem.template.tensor_parallel_plan(model))
     assert model.model.layers[0].self_attn.qkv_proj.weight.shape == (128, 64)
 
 
@@ -50,6 +50,6 @@ def test_projection_cut_into_equal_parts_is_sharded_part_by_part(tmp_path):
     assert problem.template.name == "generic" and problem.info.tp_refusal == ""
     assert {p["tp"] for p in problem.space.enumerate()} == {1, 2}
     assert probe_tp(problem.config, problem.template) == 2
-    plan = problem.template.plan(problem.model.build())
+    plan = problem.template.tensor_parallel_plan(problem.model.build())
     assert plan["model.layers.*.mlp.gate_up_proj"] == Colwise(num_fused=2, reduce_input_grad=False)
     assert plan["model.layers.*.self_attn.q_proj"] == Colwise(reduce_input_grad=False)

@@ -2,6 +2,7 @@
 
 import json
 import random
+import warnings
 
 import optuna
 import pytest
@@ -196,6 +197,37 @@ def test_template_selection_and_loading(tmp_path):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(UsageError, match="cannot load template file .*RuntimeError: boom"):
         load_template(str(broken))
+
+
+def test_a_template_overriding_the_old_plan_name_is_sharded_by_its_override_with_a_deprecation_warning():
+    """``Template.plan`` was renamed ``tensor_parallel_plan`` ("plan" names the resolved point and the
+    command); a user's template that overrides the old name keeps its plan for one release."""
+    from search_spaces.llama import TP_PLAN, LlamaTemplate
+
+    with pytest.warns(DeprecationWarning, match="renamed tensor_parallel_plan"):
+        class Old(LlamaTemplate):
+            def plan(self, model, fused=False):  # the old name, calling the base's through super()
+                return {**super().plan(model, fused), "model.extra": "mine"}
+
+    old = Old()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, where the class is defined, not per call
+        unfused, fused = old.tensor_parallel_plan(None), old.tensor_parallel_plan(None, fused=True)
+    # what build applies is the override, on top of the base's plan (the class attribute, unfused)
+    assert unfused == {**TP_PLAN, "model.extra": "mine"}
+    assert "model.layers.*.self_attn.qkv_proj" in fused and "model.layers.*.self_attn.q_proj" not in fused
+    assert fused["model.extra"] == "mine"
+    # callers of the old name on a current template get the plan, and the new name to call
+    with pytest.warns(DeprecationWarning, match="tensor_parallel_plan"):
+        assert LlamaTemplate().plan(None) == dict(TP_PLAN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class New(LlamaTemplate):  # the new name: no warning
+            def tensor_parallel_plan(self, model, fused=False):
+                return {}
+
+    assert New().tensor_parallel_plan(None) == {}
 
 
 def test_pinned_space_is_the_points_with_those_values():

@@ -14,6 +14,7 @@ import pytest
 from benchmarks.paper_tables import MEGATRON_2021_ATTN, MEGATRON_TABLE_1, megatron_flops
 from slapo_tune.cli import main
 from slapo_tune.cost_model import CostModel, hardware
+from slapo_tune.precision import PRECISIONS
 from slapo_tune.problem import DEFAULT_GLOBAL_TOKENS, ProblemSpec
 
 
@@ -206,7 +207,8 @@ def test_an_activation_counts_the_passes_of_the_ops_it_runs():
         assert activation_passes(dataclasses.replace(gpt2, activation=name)) == count.elements / x.numel(), name
     point = dict(tp=1, sp="off", attn="sdpa", fuse="off")
     exact = dataclasses.replace(gpt2, activation="gelu")
-    assert block_traffic(exact, point, 2048, "bf16", gpu=True) < block_traffic(gpt2, point, 2048, "bf16", gpu=True)
+    bf16 = PRECISIONS["bf16"]
+    assert block_traffic(exact, point, 2048, bf16, gpu=True) < block_traffic(gpt2, point, 2048, bf16, gpu=True)
 
 
 def test_a_linear_layers_product_reaches_less_of_the_rate_the_smaller_it_is():
