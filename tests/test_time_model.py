@@ -317,3 +317,30 @@ def test_a_fused_projection_hides_its_backward_regather_and_reduce_scatter_behin
 
     cpu = ProblemSpec("llama-tiny", 8, seq_len=64, global_batch=8).resolve()
     assert _sp_tp_comm(cpu, hardware("cpu"), "off") == _sp_tp_comm(cpu, hardware("cpu"), "on")
+
+
+def test_a_causal_decoders_fused_attention_is_charged_the_causal_masks_kept_pairs():
+    """On a GPU, SDPA with ``is_causal`` (FlashAttention-2) skips the blocks above the diagonal: the
+    attention term of a causal decoder's layout is the same layout's non-causal one times the causal
+    mask's kept entries over s^2 (ground truth: torch counts the lower triangle). Under context
+    parallelism the runtime calls SDPA with an explicit boolean mask, which no fused kernel skips
+    blocks of, and eager attention computes every score: both charged the whole rectangle. BERT's
+    encoder is not causal."""
+    import dataclasses
+
+    import torch
+
+    from slapo_tune.cost_model.analytic import time_terms
+    from slapo_tune.cost_model.cards import preset_card
+
+    problem = _gpt(24, 2048, 16, 8, 64)
+    model = CostModel(problem, hardware("h100-80gb"))
+    assert model.layout.causal and not preset_card("bert-base")[1].causal
+    whole = dataclasses.replace(model.layout, causal=False)
+    s = problem.workload.seq_len
+    kept = torch.ones(s, s, dtype=torch.bool).tril().sum().item()
+    for attn, cp, share in (("sdpa", 1, kept / s**2), ("sdpa", 2, 1.0), ("eager", 1, 1.0)):
+        point = problem.plan(dict(attn=attn, cp=cp, dp=8 // cp))
+        causal, full = (time_terms(layout, point, model.workload, model.device)["attention"]
+                        for layout in (model.layout, whole))
+        assert causal / full == pytest.approx(share, rel=1e-12), (attn, cp)
