@@ -40,6 +40,10 @@ class ModelLayout:
     # the MLP's activation function as the config names it (``hidden_act`` / ``activation_function``):
     # how many element-wise passes it makes (:data:`~._time.ACTIVATION_OP_PASSES`); "" in layouts from before it
     activation: str = ""
+    # the attention is causal (a decoder: the template's loss is a causal LM's, whose labels are the
+    # next tokens, so no query may see its own label): a causal SDPA kernel skips the masked blocks
+    # (:func:`~._time.attention_pairs`). False in layouts from before it, and in BERT's
+    causal: bool = False
     # measured by :func:`activation_probe`, per precision (``{"amp-bf16": {"sdpa/off/rep": ...}}``),
     # as the training step runs it: bytes one block saves for its backward per token, and per
     # attention-score element (per head, per query and key), per attention kernel
@@ -56,7 +60,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 8  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 9  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config: Any, template: Template) -> ModelLayout:
@@ -128,7 +132,7 @@ def _measure_layout(config: Any, template: Template) -> ModelLayout:
         intermediate=inter, vocab=config.vocab_size, gated_mlp=gated,
         block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
         pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
-        activation=activation if isinstance(activation, str) else "",
+        activation=activation if isinstance(activation, str) else "", causal=bool(template.causal_lm),
         token_bytes=token_bytes, score_bytes=score_bytes, probe_fallbacks=fallbacks,
     )
 

@@ -108,14 +108,15 @@ GATE_PASSES = 3
 FUSED_ACTIVATION_PASSES = {False: 2, True: 3}
 SCORE_PASSES = 8
 BACKWARD_TRAFFIC = 1.5
-# The share of FSDP's prefetched traffic that compute hides on a GPU: half. The collectives run on
-# their own streams beside the blocks' kernels but not free of them: NCCL's kernels take SMs and HBM
-# bandwidth from the products they overlap, all-gathers queue behind the reduce-scatters on the one
-# communicator in backward, and each prefetch waits for the memory its limiter frees. Fitted on the
-# published runs not held out (benchmarks/published_runs.py), with the per-block cost and the
-# products' shape efficiency (Hardware.overhead_per_layer, gemm_half_dim): 0.25-0.75 fit within a few
-# per cent on median, 1.0 (everything hidden) made 13B FSDP on 8 H100s 34 % too fast
-FSDP_OVERLAP = 0.5
+# The share of compute FSDP's prefetched traffic hides behind on a GPU (at least 1 - FSDP_OVERLAP of
+# it exposed): the collectives run on their own streams beside the blocks' kernels. Fitted on the
+# published runs not held out with the per-block cost and the products' shape efficiency
+# (Hardware.overhead_per_layer, gemm_half_dim) and the GPUs' rates: python -m benchmarks.fit_constants.
+# The fit is flat along a trade: a larger per-block cost against more overlap (with causal attention
+# charged at half, 1.0 and 5.75 ms per block beat 0.5 and 2.5 ms, the previous fit, on the median);
+# NCCL's kernels do take SMs and HBM bandwidth from the products they overlap, which the per-block
+# cost then carries
+FSDP_OVERLAP = 1.0
 # A GPU's fused attention (SDPA: FlashAttention-2 / memory-efficient kernels) runs its FLOPs at
 # about 0.75 of a large GEMM's rate (FlashAttention-2, Dao 2023: 50-73 % of A100 peak forward and
 # backward, against ~80 % for cuBLAS GEMMs)
@@ -197,14 +198,16 @@ def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     return {k: np.array([knob_value(p, k) for p in points]) for k in TIME_KNOBS}
 
 
-def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, float]:
+def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
+               fsdp_overlap: float = FSDP_OVERLAP) -> dict[str, float]:
     """Seconds per step of each time term (before weights) of one point (:func:`time_columns` of
     its knobs' values)."""
     point = {k: knob_value(point, k) for k in TIME_KNOBS}
-    return {k: float(v) for k, v in time_columns(layout, point, workload, hw).items()}
+    return {k: float(v) for k, v in time_columns(layout, point, workload, hw, fsdp_overlap).items()}
 
 
-def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> dict[str, Any]:
+def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
+                 fsdp_overlap: float = FSDP_OVERLAP) -> dict[str, Any]:
     """Seconds per step of each time term (before weights), of one point or of many at once:
     ``point`` holds a value or one array per knob of :data:`TIME_KNOBS` (:func:`point_columns`);
     the terms are then arrays of as many elements, each the float operations of that point's own
@@ -220,11 +223,13 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     ``grad_accumulation`` (a pass over the stage's gradients per micro-batch) and communication:
     ``tp_comm`` (not overlapped), ``pp_comm`` and ``dp_comm`` (on a GPU, what the runtime overlaps
     with compute is left out: a pipeline's steady-state sends, FSDP's prefetched gathers and
-    reductions after the first and before the last).
+    reductions after the first and before the last, but for ``1 - fsdp_overlap`` of them:
+    :data:`FSDP_OVERLAP`, a parameter for the fit of the constants, benchmarks/fit_constants.py).
     """
     step = _step_of(layout, point, workload, hw)
     compute, attention, elementwise, overhead, grad_accumulation = _compute_terms(layout, point, workload, hw, step)
-    tp_comm, dp_comm, pp_comm = _communication_terms(layout, point, hw, step, (compute, attention, elementwise))
+    tp_comm, dp_comm, pp_comm = _communication_terms(layout, point, hw, step, (compute, attention, elementwise),
+                                                     fsdp_overlap)
     return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
             "grad_accumulation": grad_accumulation, "tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 
@@ -304,6 +309,17 @@ def _block_linears(layout: ModelLayout, hw: Hardware, step: _Step) -> tuple[Any,
             linear(tokens, layout.hidden, width / tp), linear(tokens, layout.intermediate / tp, layout.hidden))
 
 
+def attention_pairs(layout: ModelLayout, s: int, cp: Any) -> Any:
+    """Query-key pairs per head and sequence a GPU's fused attention (SDPA) computes on one rank.
+    A causal layout's kernel (``is_causal``: FlashAttention-2) skips the blocks above the diagonal,
+    computing the causal mask's kept pairs, s (s + 1) / 2 of s^2: half, as FlashAttention-2's paper
+    counts causal FLOPs (and measures the efficiency :data:`FLASH_EFFICIENCY` cites). Under context
+    parallelism (cp > 1) the runtime gathers the keys and calls SDPA with an explicit boolean mask
+    (:mod:`slapo_tune._context_parallel`), which no fused kernel skips blocks of: the whole chunk's
+    s / cp queries against s keys, as for a non-causal layout. Elementwise over arrays of ``cp``."""
+    return choose(layout.causal & (cp == 1), s * (s + 1) / 2, s / cp * s)
+
+
 def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
                    step: _Step) -> tuple[Any, Any, Any, Any, Any]:
     """:func:`time_columns`' compute, attention, elementwise, overhead and grad_accumulation."""
@@ -317,11 +333,12 @@ def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Work
     vocab = (layout.pre_sharded if layout.tied_head else layout.post_sharded) / layout.hidden
     head_gemm = gemm(tokens, layout.hidden, vocab / tp, linear=True)
     heads = layout.heads / tp
-    # SDPA on a GPU: a fused kernel, FlashAttention-2 keeps scores on chip, dropout too; else QK^T
-    # and AV: per head, an s x d @ d x s and an s x s @ s x d product
+    # SDPA on a GPU: a fused kernel, FlashAttention-2 keeps scores on chip, dropout too, and runs
+    # QK^T and AV (2 x 2 d FLOPs) over the query-key pairs it computes; else QK^T and AV: per head,
+    # an s x d @ d x s and an s x s @ s x d product, every score materialised, masked or not
     # (context parallelism: the chunk's s / cp queries against the whole sequence's s keys)
     attn_fwd = choose((point["attn"] == "sdpa") & gpu,
-                        4 * b * heads * (s / cp) * s * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
+                        4 * b * heads * attention_pairs(layout, s, cp) * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
                         b * heads * (gemm(s / cp, layout.head_dim, s) + gemm(s / cp, s, layout.head_dim)))
     traffic_fwd = (tokens * block_traffic(layout, point, s, workload.mode, gpu) * B / bandwidth
                    if hw.memory_bandwidth else 0.0)
@@ -348,9 +365,10 @@ def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Work
 
 
 def _communication_terms(layout: ModelLayout, point: Mapping[str, Any], hw: Hardware, step: _Step,
-                         busy: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+                         busy: tuple[Any, Any, Any], fsdp_overlap: float) -> tuple[Any, Any, Any]:
     """:func:`time_columns`' tp_comm, dp_comm and pp_comm (``busy``: its compute, attention and
-    elementwise terms, what FSDP's prefetched collectives hide behind on a GPU)."""
+    elementwise terms, what FSDP's prefetched collectives hide behind on a GPU, ``fsdp_overlap``
+    of it: :data:`FSDP_OVERLAP`)."""
     mode, tp, pp, dp, cp, b, s, B, m, sp = step.mode, step.tp, step.pp, step.dp, step.cp, step.b, step.s, step.B, \
         step.m, step.sp
     vpp, gpu, per_stage, ckpt, tokens = step.vpp, step.gpu, step.per_stage, step.ckpt, step.tokens
@@ -412,13 +430,13 @@ def _communication_terms(layout: ModelLayout, point: Mapping[str, Any], hw: Hard
     if gpu:
         # FSDP prefetches the next block's gathers and reduces the previous block's gradients on
         # their own streams (level 2 and 3): one block's first gather and last reduction are exposed,
-        # and of the rest what FSDP_OVERLAP of the compute cannot hide, at least 1 - FSDP_OVERLAP
+        # and of the rest what fsdp_overlap of the compute cannot hide, at least 1 - fsdp_overlap
         compute, attention, elementwise = busy
         units = larger(1, per_stage)
         exposed = (gather_s + reduce_s) / units
         prefetched = larger(fsdp - exposed, 0.0)
-        hidden_behind = FSDP_OVERLAP * (compute + attention + elementwise)
-        fsdp = choose(level >= 2, exposed + larger(prefetched - hidden_behind, (1 - FSDP_OVERLAP) * prefetched), fsdp)
+        hidden_behind = fsdp_overlap * (compute + attention + elementwise)
+        fsdp = choose(level >= 2, exposed + larger(prefetched - hidden_behind, (1 - fsdp_overlap) * prefetched), fsdp)
     dp_comm = choose(level == 0, _ring(stage_params * GRAD_BYTES, dp, hw, stride=dp_stride), fsdp)
     # context-parallel ranks sum their gradients (after FSDP's reduction: a dp shard of them)
     dp_comm = dp_comm + _ring(stage_params * GRAD_BYTES / choose(level > 0, dp, 1), cp, hw, stride=tp)

@@ -131,6 +131,24 @@ def test_a_run_of_an_undescribed_framework_is_refused(runs, tmp_path):
         load_runs(path)
 
 
+def test_a_miss_note_must_say_something_and_the_report_marks_its_row(runs, tmp_path):
+    """A run known to miss the band carries a sentence saying what its prediction lacks (an empty or
+    non-string note is refused); the report's table marks the row and lists the note."""
+    data = json.loads(published_runs.DATA.read_text())
+    path = tmp_path / "runs.json"
+    for bad in ("", " ", True):
+        path.write_text(json.dumps({**data, "runs": [dict(data["runs"][0], miss=bad)]}))
+        with pytest.raises(ValueError, match="miss"):
+            load_runs(path)
+    row = {"id": "x", "held_out": True, "hardware_fitted": True, "memory": 80 * 2**30, "peak": 2**30, "budget": 2**30,
+           "fits": True, "kept": True, "published_tokens": 1.0, "predicted_tokens": 0.5, "ratio": 0.5,
+           "published_mfu": 0.4, "predicted_mfu": 0.2, "miss": "the per-block cost is in doubt"}
+    lines = published_runs.report_section({"source": "s", "rows": [row, dict(row, id="y", miss=None)]})
+    assert any(line.startswith("| x |") and "0.50 (miss [1])" in line for line in lines)
+    assert any(line.startswith("| y |") and "miss" not in line for line in lines)
+    assert "- [1] x: the per-block cost is in doubt" in lines
+
+
 def test_the_rank_counts_only_points_predicted_to_fit(monkeypatch):
     """A point that might fit only within the prediction's uncertainty (peak over the budget) does
     not outrank the published configuration, and the first choice is predicted to fit."""
