@@ -385,6 +385,10 @@ NAMED = (
              "            if (at is not None and self.proof.posted(self.rank, at, action)) or all(",
              "            if False and (at is not None and self.proof.posted(self.rank, at, action)) or all(",
              ("tests/multirank/test_send_release.py::test_peak_lower_by_the_sends_torch_keeps",)),
+    Mutation("the send bound read off one round of micro-batches, before the steady state",
+             "slapo_tune/parallel/_send_release.py", "STEADY_ROUNDS = 3", "STEADY_ROUNDS = 1",
+             ("tests/multirank/test_send_release.py::"
+              "test_the_bound_read_at_three_rounds_is_the_bound_walked_over_every_round",)),
     Mutation("a template overriding the old name plan() is sharded by its base's plan", "slapo_tune/template.py",
              '            cls.tensor_parallel_plan = cls.__dict__["plan"]', "            pass",
              ("tests/unit/test_space.py::test_a_template_overriding_the_old_plan_name_is_sharded_by_its_override_with_a_deprecation_warning",)),

@@ -122,15 +122,31 @@ class SendProof:
         return most
 
 
-@functools.cache
+# Rounds of pp micro-batches after which the bound stops changing: the steady state repeats round
+# by round, and a rank's unproven sends span less than two rounds (checked from torch's own lists
+# for pp 2-8, vpp 2-5, 3-8 rounds, both schedules: tests/multirank/test_send_release.py)
+STEADY_ROUNDS = 3
+
+
 def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, schedule: str = "1f1b") -> int:
     """The bound, for torch's interleaved schedule (``schedule`` "1f1b" or "zb") of ``pp`` ranks
     with ``vpp`` stages each: the most input gradients ``rank`` has sent whose receive it cannot
-    yet know posted (so that the release keeps them)."""
+    yet know posted (so that the release keeps them). Whole rounds of ``pp`` micro-batches beyond
+    :data:`STEADY_ROUNDS` repeat the steady state, so they are not walked again (the cost model
+    asks this for every point it ranks)."""
+    if n_microbatches % pp == 0:
+        n_microbatches = min(n_microbatches, STEADY_ROUNDS * pp)
+    return _bounds(pp, vpp, n_microbatches, schedule)[rank]
+
+
+@functools.cache
+def _bounds(pp: int, vpp: int, n_microbatches: int, schedule: str) -> tuple[int, ...]:
+    """:func:`pending_gradient_sends` of every rank, from one proof over torch's action lists."""
     from torch.distributed.pipelining import schedules
 
     cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zb" else schedules.ScheduleInterleaved1F1B
-    return SendProof(*_lowered_orders(cls, pp, vpp, n_microbatches)).pending_gradient_sends(rank)
+    proof = SendProof(*_lowered_orders(cls, pp, vpp, n_microbatches))
+    return tuple(proof.pending_gradient_sends(rank) for rank in range(pp))
 
 
 def _lowered_orders(cls: type, pp: int, vpp: int, m: int) -> tuple[dict[int, list[Any]], dict[int, int]]:
