@@ -271,14 +271,10 @@ class _GatheredLinear(torch.autograd.Function):
         group, axis = ctx.group, ctx.axis
         w = weight.to(shard.dtype)
         grad = grad.to(shard.dtype)
-        parts = [torch.empty_like(shard) for _ in range(_comm.group_size(group))]
-        gathering = dist.all_gather(parts, shard.contiguous(), group=group, async_op=True)
+        gathered = _comm.start_all_gather(shard, axis, group)
         grad_input = grad.matmul(w.t() if ctx.transposed else w).to(ctx.dtypes[0])
-        gathering.wait()
-        total = torch.cat(parts, dim=axis)
-        chunks = [c.contiguous() for c in grad_input.chunk(len(parts), dim=axis)]
-        grad_shard = torch.empty_like(chunks[0])
-        scattering = dist.reduce_scatter(grad_shard, chunks, group=group, async_op=True)
+        total = gathered()
+        scattered = _comm.start_reduce_scatter(grad_input, axis, group)
         grad_weight = grad_bias = None
         flat_grad, flat_total = grad.reshape(-1, grad.shape[-1]), total.reshape(-1, total.shape[-1])
         if ctx.needs_input_grad[2]:
@@ -286,8 +282,7 @@ class _GatheredLinear(torch.autograd.Function):
             grad_weight = product.to(ctx.dtypes[1])
         if ctx.needs_input_grad[3]:
             grad_bias = flat_grad.sum(0).to(ctx.dtypes[2])
-        scattering.wait()
-        return grad_shard, None, grad_weight, grad_bias, None, None
+        return scattered(), None, grad_weight, grad_bias, None, None
 
 
 def overlapped_linear_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -82,11 +82,25 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+def start_all_gather(x: torch.Tensor, axis: int, group: ProcessGroup | None,
+                     async_op: bool = True) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of ``x`` along ``axis``; the returned function waits for it and gives
+    the gathered tensor (work placed between the two overlaps the collective; ``async_op=False``:
+    done before this returns)."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=axis)
+    work = dist.all_gather(parts, x, group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return torch.cat(parts, dim=axis)
+
+    return finish
+
+
+def _all_gather(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    return start_all_gather(x, axis, group, async_op=False)()
 
 
 def _own_chunk(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
@@ -96,14 +110,27 @@ def _own_chunk(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.
     return x.chunk(size, dim=axis)[group_rank(group)].contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+def start_reduce_scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None,
+                         async_op: bool = True) -> Callable[[], torch.Tensor]:
+    """Launch the reduce-scatter of ``x`` along ``axis``; the returned function waits for it and
+    gives this rank's summed chunk (``async_op=False``: done before this returns)."""
     size = group_size(group)
     if x.shape[axis] % size:
         raise ValueError(f"dimension {axis} of size {x.shape[axis]} is not divisible by the group size {size}")
     inputs = [c.contiguous() for c in x.chunk(size, dim=axis)]
     out = torch.empty_like(inputs[0])
-    dist.reduce_scatter(out, inputs, group=group)
-    return out
+    work = dist.reduce_scatter(out, inputs, group=group, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return out
+
+    return finish
+
+
+def _reduce_scatter(x: torch.Tensor, axis: int, group: ProcessGroup | None) -> torch.Tensor:
+    return start_reduce_scatter(x, axis, group, async_op=False)()
 
 
 class _ReduceForward(torch.autograd.Function):
