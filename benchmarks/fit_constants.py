@@ -2,8 +2,9 @@
 
 The constants: the achievable bf16 rate of a linear layer's product (``flops``) of the A100 and of
 the H100 (``slapo_tune/cost_model/hardware_presets.json``; H200, B200 and V100 follow from these by
-the rules their presets state), the products' shape efficiency (``gemm_half_dim``) and FSDP's
-per-block cost (``overhead_per_layer``), shared by every GPU preset, and the share of compute that
+the rules their presets state), the products' shape efficiency (``gemm_half_dim``) and the host's
+per-block time where FSDP1's rate limiter makes it wait (``overhead_per_layer``: FsdpHost), shared
+by every GPU preset, and the share of compute that
 FSDP's prefetched collectives hide behind (:data:`~slapo_tune.cost_model.analytic.FSDP_OVERLAP`).
 
 The fit reads the llm-foundry MPT runs of ``benchmarks/data/published_runs.json`` not marked
@@ -68,11 +69,12 @@ class Case(NamedTuple):
     workload: Any
     weights: dict
     ratio_of_step: Callable[[float], float]
+    fsdp_host: Any  # slapo_tune.cost_model.FsdpHost: whether the run's FSDP makes the host wait per unit
 
 
 def published_cases(runs: list[dict]) -> list[Case]:
     """A case per published run (benchmarks/published_runs.py's configuration of it)."""
-    from benchmarks.published_runs import _spec, published_point
+    from benchmarks.published_runs import _spec, fsdp_host, published_point
     from slapo_tune.cost_model import CostModel, hardware
 
     out = []
@@ -84,14 +86,14 @@ def published_cases(runs: list[dict]) -> list[Case]:
         group = "other" if "runtime" in run else ("held_out" if run["held_out"] else "fitted")
         out.append(Case(run["id"], group, hw, model.layout, problem.plan(published_point(run)), model.workload,
                         model.calibration.time_weights,
-                        lambda step, t=tokens, g=run["gpus"], p=published: t / step / g / p))
+                        lambda step, t=tokens, g=run["gpus"], p=published: t / step / g / p, fsdp_host(run)))
     return out
 
 
 def megatron_cases() -> list[Case]:
     """A case per row of Megatron-LM's Table 1 (benchmarks/paper_tables.py's configuration of it)."""
     from benchmarks.paper_tables import MEGATRON_2021_ATTN, MEGATRON_TABLE_1, _gpt_spec, megatron_flops
-    from slapo_tune.cost_model import CostModel, hardware
+    from slapo_tune.cost_model import CostModel, FsdpHost, hardware
 
     hw = hardware("a100-80gb")
     out = []
@@ -103,7 +105,8 @@ def megatron_cases() -> list[Case]:
         flops = megatron_flops(batch, layers, hidden)
         group = "megatron_held_out" if index in HELD_OUT_MEGATRON else "megatron_fitted"
         out.append(Case(f"megatron-2021 {params}B", group, hw, model.layout, point, model.workload,
-                        model.calibration.time_weights, lambda step, f=flops, g=gpus, p=published: f / step / g / 1e12 / p))
+                        model.calibration.time_weights, lambda step, f=flops, g=gpus, p=published: f / step / g / 1e12 / p,
+                        FsdpHost.RUNS_AHEAD))  # no FSDP there (zero=0): nothing waits per unit
     return out
 
 
@@ -116,7 +119,7 @@ def ratio(case: Case, constants: dict[str, float]) -> float:
     hw = dataclasses.replace(case.hardware, flops=flops, fp8_flops=2 * flops if case.hardware.fp8_flops else 0.0,
                              gemm_half_dim=constants["gemm_half_dim"],
                              overhead_per_layer=constants["overhead_per_layer"])
-    terms = time_terms(case.layout, case.point, case.workload, hw, constants["fsdp_overlap"])
+    terms = time_terms(case.layout, case.point, case.workload, hw, constants["fsdp_overlap"], case.fsdp_host)
     return case.ratio_of_step(weighted_time(terms, case.weights)[1])
 
 

@@ -15,9 +15,16 @@ length, the precision and the published throughput (tokens/s per GPU, and MFU). 
   (1 = the planner's first choice), and how much faster the first choice is predicted; twice: among
   the points the run's framework offers (``frameworks`` in the data file: llm-foundry runs FSDP
   alone, so its experts chose among ZeRO levels, micro-batch sizes and checkpointing, not tensor or
-  pipeline parallelism), and among every point of our space. The first asks whether the cost model
+  pipeline parallelism), as that framework runs them, and among every point of our space, as our
+  runtime runs them (the published configuration too). The first asks whether the cost model
   orders what the experts chose from as they did; the second is the planner's claim over a
   configuration their framework could not run, which no published figure here measures.
+
+Each framework says whether its FSDP makes the host wait for the GPU once per unit (``fsdp_host``,
+with its source: llm-foundry sets FSDP1's ``limit_all_gathers``, whose rate limiter synchronizes the
+host before each unit's all-gather; Megatron-FSDP waits on streams only): the time model charges the
+host's per-block time only there (:class:`~slapo_tune.cost_model.FsdpHost`). Our runtime's FSDP2
+does not wait.
 
 Runs marked ``held_out`` are kept aside: nothing in the cost model may be fitted to them. The
 report gives the fitted and the held-out runs apart. A run whose prediction is known to miss the
@@ -99,8 +106,21 @@ def load_runs(path: Path = DATA) -> list[dict]:
         if repository not in frameworks:
             raise ValueError(f"{run['id']}: no framework described for {repository} (add it to 'frameworks')")
         run["framework"] = frameworks[repository]
+        fsdp_host(run)  # every framework says whether its FSDP makes the host wait (a ValueError if not)
         run["hardware_fitted"] = run["hardware"] in fitted_hardware
     return runs
+
+
+def fsdp_host(run: dict):
+    """Whether the run's framework's FSDP makes the host wait per unit (the data file's
+    ``fsdp_host``, with its source: :class:`~slapo_tune.cost_model.FsdpHost`)."""
+    from slapo_tune.cost_model import FsdpHost
+
+    framework = run["framework"]
+    if "fsdp_host" not in framework or "fsdp_host_source" not in framework:
+        raise ValueError(f"{run['id']}: its framework says not whether its FSDP makes the host wait "
+                         f"(add 'fsdp_host' ({', '.join(h.value for h in FsdpHost)}) and 'fsdp_host_source')")
+    return FsdpHost(framework["fsdp_host"])
 
 
 def _spec(run: dict):
@@ -143,13 +163,14 @@ def published_point(run: dict) -> dict:
 
 def evaluate(run: dict, rank: bool) -> dict:
     """One run: its predicted peak, throughput and MFU, and (``rank``) where plan puts it."""
-    from slapo_tune.cost_model import CostModel, hardware
+    from slapo_tune.cost_model import CostModel, FsdpHost, hardware
     from slapo_tune.device import cuda_reserve
 
     hw = hardware(run["hardware"])
     budget = hw.memory - cuda_reserve(hw.memory)  # plan's and tune's default on this GPU
     problem = _spec(run).resolve()
-    model = CostModel(problem, hw)
+    # the run's own runtime: its framework's FSDP (llm-foundry's FSDP1 makes the host wait per block)
+    model = CostModel(problem, hw, fsdp_host=fsdp_host(run))
     point = problem.plan(published_point(run))
     memory = model.memory(point)
     timing = model.time(point)
@@ -163,11 +184,14 @@ def evaluate(run: dict, rank: bool) -> dict:
            "ratio": predicted / published, "predicted_mfu": model.mfu(timing.step, run["gpus"]),
            "published_mfu": run["published"]["mfu"], "breakdown": timing.breakdown, "miss": run.get("miss")}
     if rank:
-        mine = timing.throughput(problem.workload)
-        every = _plan_rank(problem, model, budget, mine, [{}])
+        # over every point, as plan ranks them: on our runtime (FSDP2), the published configuration too
+        ours = model if model.fsdp_host is FsdpHost.RUNS_AHEAD else CostModel(problem, hw)
+        every = _plan_rank(problem, ours, budget, ours.time(point).throughput(problem.workload), [{}])
+        # within one framework's layouts, its points (plan's list shows one per layout), as its
+        # runtime runs them
         pins = framework_pins(run["framework"])
-        # within one framework's layouts, its points (plan's list shows one per layout)
-        own = every if pins == [{}] else _plan_rank(problem, model, budget, mine, pins, distinct=())
+        own = every if pins == [{}] and ours is model else _plan_rank(
+            problem, model, budget, timing.throughput(problem.workload), pins, distinct=None if pins == [{}] else ())
         row.update(own)
         row.update({f"{k}_any": v for k, v in every.items()})
     return row

@@ -24,6 +24,7 @@ from . import calibration as _calibration
 from .analytic import (
     DEFAULT_WEIGHTS,
     BlockActivations,
+    FsdpHost,
     LinearFeatures,
     MemoryPrediction,
     ModelLayout,
@@ -135,8 +136,11 @@ class CostModel:
     """Memory and time predictions for one problem (model, template, workload) on one device."""
 
     def __init__(self, problem: Problem, device: Hardware, calibration: Calibration | None = None,
-                 layout: ModelLayout | None = None):
+                 layout: ModelLayout | None = None, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD):
         self.problem, self.device = problem, device
+        # whether the FSDP that runs the points makes the host wait per unit: our runtime's FSDP2
+        # does not; the published-runs benchmark predicts other frameworks' runs (FSDP1) too
+        self.fsdp_host = FsdpHost(fsdp_host)
         self.template, self.workload = problem.template, problem.workload
         self.layout = layout or _layout(problem)
         self.precision = self.workload.precision
@@ -510,7 +514,8 @@ class CostModel:
 
     # -------------------------------------------------------------------- time
     def time(self, point: Mapping[str, Any]) -> TimePrediction:
-        return predict_time(self.layout, point, self.workload, self.device, self.calibration.time_weights)
+        return predict_time(self.layout, point, self.workload, self.device, self.calibration.time_weights,
+                            self.fsdp_host)
 
     def throughputs(self, points: Sequence[Mapping[str, Any]]):
         """``time(p).throughput(workload)`` of each of ``points`` (a numpy array), evaluated together."""
@@ -562,13 +567,14 @@ class CostModel:
 
     def column_throughputs(self, columns: Mapping[str, Any]):
         """:meth:`throughputs` of points given as one array per knob (:func:`~.analytic.point_columns`)."""
-        steps = predict_steps(self.layout, columns, self.workload, self.device, self.calibration.time_weights)
+        steps = predict_steps(self.layout, columns, self.workload, self.device, self.calibration.time_weights,
+                              self.fsdp_host)
         return samples_per_second(self.workload.global_batch, steps)
 
     def calibrate_time(self, points: Iterable[Mapping[str, Any]], step_seconds: Iterable[float],
                        save: bool = True) -> Calibration:
         """Fit the time terms' weights to measured step times of ``points`` (e.g. finished trials)."""
-        samples = [(time_terms(self.layout, p, self.workload, self.device), s)
+        samples = [(time_terms(self.layout, p, self.workload, self.device, fsdp_host=self.fsdp_host), s)
                    for p, s in zip(points, step_seconds) if s and s > 0]
         self.calibration.time_weights = _calibration.fit_time(samples)
         self.calibration.time_points = len(samples)
@@ -654,7 +660,7 @@ def _layout(problem: Problem) -> ModelLayout:
 
 
 __all__ = [
-    "PRESETS", "Calibration", "CostModel", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
+    "PRESETS", "Calibration", "CostModel", "FsdpHost", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
     "PeakTracker", "TimePrediction", "Variants", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of",
     "tracked_step",
 ]

@@ -2,8 +2,9 @@
 
 Time is compute (FLOPs at an achievable rate that a GPU's small products reach less of,
 recomputation included), memory-bound passes at memory bandwidth, plus a fixed cost per block and
-micro-batch (on a GPU, FSDP's), plus tensor-parallel, data-parallel (per ZeRO level: all-reduce, or
-all-gathers in the compute dtype and fp32 reduce-scatters, half hidden behind compute on a GPU) and
+micro-batch (on a GPU, only where FSDP1's rate limiter makes the host wait: :class:`FsdpHost`),
+plus tensor-parallel, data-parallel (per ZeRO level: all-reduce, or all-gathers in the compute
+dtype and fp32 reduce-scatters, partly hidden behind compute on a GPU) and
 pipeline communication (alpha-beta over NVLink inside a node and every NIC of a node across nodes),
 with the pipeline bubble ((pp - 1) / (vpp m) of the step). On llm-foundry's published GPU runs it is
 within 15 % of every one (benchmarks/published_runs.py).
@@ -11,6 +12,7 @@ within 15 % of every one (benchmarks/published_runs.py).
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Iterable, Mapping
@@ -117,6 +119,28 @@ BACKWARD_TRAFFIC = 1.5
 # NCCL's kernels do take SMs and HBM bandwidth from the products they overlap, which the per-block
 # cost then carries
 FSDP_OVERLAP = 1.0
+
+
+class FsdpHost(str, enum.Enum):
+    """Whether an FSDP implementation makes the host wait for the GPU once per unit (a block),
+    which exposes the host's own time per block and micro-batch (``Hardware.overhead_per_layer``:
+    its hooks, the unit's kernel launches) between the GPU's kernels.
+
+    - ``RUNS_AHEAD``: the host never waits; collectives wait on streams. PyTorch's FSDP2
+      (``fully_shard``, our runtime's ZeRO levels: its docs, "does not require blocking the CPU
+      like in FSDP1's limit_all_gathers=True"), Megatron-FSDP (its all-gathers and reduce-scatters
+      are ``async_op=True`` works whose ``wait()`` orders NCCL's stream before the current one).
+    - ``WAITS_PER_UNIT``: FSDP1's rate limiter (``limit_all_gathers=True``, its default since
+      torch 2.1, and llm-foundry's yamls): ``_unshard`` calls ``event.synchronize()`` on the free
+      event of the unit two back before each all-gather.
+
+    tests/unit/test_fsdp_host.py checks both facts against the pinned torch's source.
+    """
+
+    RUNS_AHEAD = "runs-ahead"
+    WAITS_PER_UNIT = "waits-per-unit"
+
+
 # A GPU's fused attention (SDPA: FlashAttention-2 / memory-efficient kernels) runs its FLOPs at
 # about 0.75 of a large GEMM's rate (FlashAttention-2, Dao 2023: 50-73 % of A100 peak forward and
 # backward, against ~80 % for cuBLAS GEMMs)
@@ -199,15 +223,15 @@ def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
 
 
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-               fsdp_overlap: float = FSDP_OVERLAP) -> dict[str, float]:
+               fsdp_overlap: float = FSDP_OVERLAP, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD) -> dict[str, float]:
     """Seconds per step of each time term (before weights) of one point (:func:`time_columns` of
     its knobs' values)."""
     point = {k: knob_value(point, k) for k in TIME_KNOBS}
-    return {k: float(v) for k, v in time_columns(layout, point, workload, hw, fsdp_overlap).items()}
+    return {k: float(v) for k, v in time_columns(layout, point, workload, hw, fsdp_overlap, fsdp_host).items()}
 
 
 def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-                 fsdp_overlap: float = FSDP_OVERLAP) -> dict[str, Any]:
+                 fsdp_overlap: float = FSDP_OVERLAP, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD) -> dict[str, Any]:
     """Seconds per step of each time term (before weights), of one point or of many at once:
     ``point`` holds a value or one array per knob of :data:`TIME_KNOBS` (:func:`point_columns`);
     the terms are then arrays of as many elements, each the float operations of that point's own
@@ -219,7 +243,9 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     recomputation of checkpointed blocks; ``attention``, the attention core (eager: batched
     products at the GEMM rate; SDPA on a GPU: a fused kernel at :data:`FLASH_EFFICIENCY`);
     ``elementwise``, the memory-bound kernels' traffic (:func:`block_traffic`) at memory bandwidth;
-    ``overhead``, a fixed cost per block and micro-batch and per collective call. Then
+    ``overhead``, a fixed cost per block and micro-batch and per collective call (on a GPU, only
+    where the host waits for the device: FSDP units under ``fsdp_host`` ``WAITS_PER_UNIT``, see
+    :class:`FsdpHost`; our runtime's FSDP2 runs ahead, the default). Then
     ``grad_accumulation`` (a pass over the stage's gradients per micro-batch) and communication:
     ``tp_comm`` (not overlapped), ``pp_comm`` and ``dp_comm`` (on a GPU, what the runtime overlaps
     with compute is left out: a pipeline's steady-state sends, FSDP's prefetched gathers and
@@ -227,7 +253,8 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     :data:`FSDP_OVERLAP`, a parameter for the fit of the constants, benchmarks/fit_constants.py).
     """
     step = _step_of(layout, point, workload, hw)
-    compute, attention, elementwise, overhead, grad_accumulation = _compute_terms(layout, point, workload, hw, step)
+    compute, attention, elementwise, overhead, grad_accumulation = _compute_terms(layout, point, workload, hw, step,
+                                                                                  fsdp_host)
     tp_comm, dp_comm, pp_comm = _communication_terms(layout, point, hw, step, (compute, attention, elementwise),
                                                      fsdp_overlap)
     return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
@@ -321,7 +348,7 @@ def attention_pairs(layout: ModelLayout, s: int, cp: Any) -> Any:
 
 
 def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-                   step: _Step) -> tuple[Any, Any, Any, Any, Any]:
+                   step: _Step, fsdp_host: FsdpHost) -> tuple[Any, Any, Any, Any, Any]:
     """:func:`time_columns`' compute, attention, elementwise, overhead and grad_accumulation."""
     tp, cp, b, s, B, m, sp = step.tp, step.cp, step.b, step.s, step.B, step.m, step.sp
     gpu, per_stage, ckpt, tokens, world, bandwidth = step.gpu, step.per_stage, step.ckpt, step.tokens, step.world, \
@@ -352,10 +379,12 @@ def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Work
     compute, attention, elementwise = slots * compute_mb, slots * attention_mb, slots * elementwise_mb
     # a fixed cost per block and micro-batch, and per two collective calls: tensor parallelism's
     # four all-reduces per block (forward and backward), sequence parallelism's ten (below). A GPU's
-    # host runs ahead of the kernels it launches, except where FSDP (ZeRO-2 and 3: a unit per block)
-    # makes it wait: once per block, its hooks before and after each forward and backward
+    # host runs ahead of the kernels it launches, except where an FSDP that waits per unit (FSDP1's
+    # rate limiter, FsdpHost.WAITS_PER_UNIT; ZeRO-2 and 3 there: a unit per block) makes it wait:
+    # once per block, its hooks before and after each forward and backward
     calls = choose(tp > 1, choose(sp, 5, 2), 0)
-    per_block = choose(level >= 2, 1, 0) if gpu else 1 + calls
+    waits = fsdp_host is FsdpHost.WAITS_PER_UNIT
+    per_block = (choose(level >= 2, 1, 0) if waits else 0) if gpu else 1 + calls
     overhead = slots * per_stage * hw.overhead_per_layer * per_block
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
@@ -452,15 +481,17 @@ def weighted_time(terms: Mapping[str, Any], weights: Mapping[str, float] | None 
 
 
 def predict_time(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-                 weights: Mapping[str, float] | None = None) -> TimePrediction:
-    breakdown, step = weighted_time(time_terms(layout, point, workload, hw), weights)
+                 weights: Mapping[str, float] | None = None, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD
+                 ) -> TimePrediction:
+    breakdown, step = weighted_time(time_terms(layout, point, workload, hw, fsdp_host=fsdp_host), weights)
     return TimePrediction(step, breakdown)
 
 
 def predict_steps(layout: ModelLayout, points: Mapping[str, np.ndarray], workload: Workload, hw: Hardware,
-                  weights: Mapping[str, float] | None = None) -> np.ndarray:
+                  weights: Mapping[str, float] | None = None, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD
+                  ) -> np.ndarray:
     """:func:`predict_time`'s step seconds of many points at once (``points``: :func:`point_columns`)."""
-    return weighted_time(time_columns(layout, points, workload, hw), weights)[1]
+    return weighted_time(time_columns(layout, points, workload, hw, fsdp_host=fsdp_host), weights)[1]
 
 
 def model_flops_per_step(layout: ModelLayout, workload: Workload) -> float:

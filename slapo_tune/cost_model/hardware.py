@@ -58,8 +58,9 @@ class Hardware:
     latency: float = 10e-6
     devices_per_node: int = 8
     # fixed seconds per block per micro-batch: on a CPU, Python and the operators' dispatch; on a GPU
-    # (whose host otherwise runs ahead of the kernels it launches), under FSDP's unit per block, its
-    # hooks and the launches the host makes after waiting for the GPU in them
+    # (whose host otherwise runs ahead of the kernels it launches), under an FSDP that makes the
+    # host wait once per unit (FSDP1's rate limiter: cost_model.FsdpHost), the hooks and launches
+    # the host makes after each wait
     overhead_per_layer: float = 0.0
     cores: int = 0  # CPU only: cores shared by the ranks of one node
     # a GEMM over T tokens runs at rate * T / (T + gemm_half_tokens): small micro-batches make
