@@ -69,23 +69,26 @@ TINY_DECODER = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, 
                     vocab_size=512, max_position_embeddings=128, bos_token_id=0, eos_token_id=2)
 
 
+def saved_config(directory, config_class: str, **fields) -> str:
+    """A ``transformers`` config of ``config_class`` (e.g. ``"Qwen2Config"``) with ``fields``, saved in
+    ``directory`` (a model built from a local config, as nothing can be downloaded); its path."""
+    import transformers
+
+    getattr(transformers, config_class)(**fields).save_pretrained(directory)
+    return str(directory)
+
+
 def phi3_config(directory) -> str:
     """A Phi-3-style decoder nobody wrote a template for, saved in ``directory``: its qkv_proj has
     (4 + 2 x 2) x 16 = 128 outputs sliced at the config's offsets, its gate_up_proj 2 x 128 cut with chunk."""
-    import transformers
-
-    transformers.Phi3Config(intermediate_size=128, pad_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attention_dropout=0.0, **TINY_DECODER).save_pretrained(directory)
-    return str(directory)
+    return saved_config(directory, "Phi3Config", intermediate_size=128, pad_token_id=1, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attention_dropout=0.0, **TINY_DECODER)
 
 
 def glm_config(directory) -> str:
     """A GLM decoder (separate Q, K, V; gate_up_proj 2 x 128 cut with chunk), saved in ``directory``."""
-    import transformers
-
-    transformers.GlmConfig(intermediate_size=128, pad_token_id=1, attention_dropout=0.0, **TINY_DECODER
-                           ).save_pretrained(directory)
-    return str(directory)
+    return saved_config(directory, "GlmConfig", intermediate_size=128, pad_token_id=1, attention_dropout=0.0,
+                        **TINY_DECODER)
 
 
 def family_module(preset: str):

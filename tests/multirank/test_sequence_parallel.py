@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 import slapo_tune as st
 from slapo_tune.cost_model import CostModel, hardware
@@ -28,7 +27,7 @@ from slapo_tune.problem import ProblemSpec
 from slapo_tune.schedule._schedule import state_of
 from slapo_tune.space import format_point
 
-from _helpers import blocks, family_module, uncompared
+from _helpers import blocks, family_module, saved_config, uncompared
 
 WORLD, GLOBAL_BATCH, SEQ = 4, 8, 16
 
@@ -57,11 +56,9 @@ MEMORY_SEQ, MEMORY_MICRO_BATCH = 64, 4
 
 def _qwen2_config(folder) -> str:
     """A Qwen2-style decoder (grouped-query attention, biased Q/K/V projections)."""
-    config = transformers.Qwen2Config(
-        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        vocab_size=512, max_position_embeddings=128, bos_token_id=0, eos_token_id=2, attention_dropout=0.0)
-    config.save_pretrained(folder)
-    return str(folder)
+    return saved_config(folder, "Qwen2Config", num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=128, vocab_size=512, max_position_embeddings=128,
+                        bos_token_id=0, eos_token_id=2, attention_dropout=0.0)
 
 
 def _memory_spec() -> ProblemSpec:

@@ -7,13 +7,12 @@ default; ``-m slow`` verifies every legal point.
 import random
 
 import pytest
-import transformers
 
 from slapo_tune.launch import launch
 from slapo_tune.problem import ProblemSpec
 from slapo_tune.space import format_point
 
-from _helpers import glm_config, phi3_config, uncompared
+from _helpers import glm_config, phi3_config, saved_config, uncompared
 from _template_workers import verify_points
 
 TINY = ["gpt2-tiny", "llama-tiny", "bert-tiny", "opt-tiny"]
@@ -97,11 +96,9 @@ def test_generic_template_on_an_untemplated_decoder(tmp_path):
 
 def _neox_config(tmp_path) -> str:
     """An untemplated decoder (GPT-NeoX): the generic template schedules it."""
-    config = transformers.GPTNeoXConfig(
-        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=256, vocab_size=512,
-        max_position_embeddings=128, bos_token_id=0, eos_token_id=2, attention_dropout=0.0, hidden_dropout=0.0)
-    config.save_pretrained(tmp_path)
-    return str(tmp_path)
+    return saved_config(tmp_path, "GPTNeoXConfig", num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                        intermediate_size=256, vocab_size=512, max_position_embeddings=128, bos_token_id=0,
+                        eos_token_id=2, attention_dropout=0.0, hidden_dropout=0.0)
 
 
 def test_zero_levels_and_bf16_parameters_verify_at_world_4(tmp_path):
