@@ -218,6 +218,22 @@ def test_trial_leaking_memory_and_threads_does_not_reach_the_next(no_leftover_ch
     assert max(leaky.peak_rss) < launcher.numel() * 4
 
 
+def test_a_process_exec_from_a_large_launcher_reports_its_own_peak():
+    """A rank started by fork and exec (the spawn start method: NCCL ranks, or gloo ranks whose
+    socket path is too long for the forkserver) reports its own peak, not the launcher's:
+    ``ru_maxrss`` carries the launcher's high-water mark across exec on Linux, ``VmHWM`` does not."""
+    import multiprocessing
+
+    import torch
+
+    from slapo_tune.launch import peak_rss_bytes
+
+    launcher = torch.ones(2**30 // 4)  # 1 GiB, touched: the launcher's resident high-water mark
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        child = pool.apply(peak_rss_bytes)
+    assert 0 < child < launcher.numel() * 4 // 2, child
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10))
 def test_driver_killed_at_a_random_moment_resumes(tmp_path, seed, no_leftover_children):
