@@ -331,6 +331,31 @@ NAMED = (
              "_min(gather, product) + _min(scatter, product)", "gather + scatter",
              ("tests/unit/test_time_model.py::test_a_fused_projection_hides_its_backward_regather_and_reduce_scatter_"
               "behind_its_products",)),
+    Mutation("vpp is offered only where pp * vpp divides the blocks (Megatron's split with the ends one block short "
+             "refused)", "slapo_tune/template.py",
+             "            return [1, *sorted({*equal, *short_ends})]", "            return [1, *equal]",
+             ("tests/unit/test_space.py::test_vpp_offers_equal_chunks_and_megatrons_split_with_the_ends_one_block_short",
+              "tests/multirank/test_uneven_pipeline.py::test_interleaved_stages_with_the_ends_one_block_short_verify")),
+    Mutation("the short-ends vpp rule also offers pp * vpp beyond the blocks (an end stage of none)",
+             "slapo_tune/template.py", "if padded % (pp * v) == 0 and pp * v <= info.layers]",
+             "if padded % (pp * v) == 0]",
+             ("tests/unit/test_space.py::test_vpp_offers_equal_chunks_and_megatrons_split_with_the_ends_one_block_short",)),
+    Mutation("an interleaved rank's micro-batch in flight holds all its blocks (equal chunks assumed)",
+             "slapo_tune/cost_model/_schedule_math.py",
+             "    return vpp * sum(n * size for n, size in zip(counts, sizes)) / sum(counts)", "    return sum(sizes)",
+             ("tests/multirank/test_uneven_pipeline.py::test_exact_mode_matches_a_measured_step_with_short_end_chunks_"
+              "and_analytic_is_within_10_percent",)),
+    Mutation("an interleaved rank's checkpointed blocks counted over equal chunks", "slapo_tune/cost_model/_schedule_math.py",
+             "    return tuple(sum(1 for i in range(*stage_block_range(total_layers, pp * vpp, stage)) if i in chosen)\n"
+             "                 for stage in rank_stages(rank, pp, pp * vpp))",
+             "    blocks = rank_blocks(total_layers, pp, rank, vpp)\n    chunk = len(blocks) // vpp\n"
+             "    return tuple(sum(1 for i in blocks[k * chunk:(k + 1) * chunk] if i in chosen) for k in range(vpp))",
+             ("tests/multirank/test_uneven_pipeline.py::test_exact_mode_matches_a_measured_step_with_short_end_chunks_"
+              "and_analytic_is_within_10_percent",)),
+    Mutation("an interleaved rank's backward end frees 1 / vpp of a micro-batch whatever its first chunk holds",
+             "slapo_tune/cost_model/_stage.py", "    done = first_chunk / in_flight", "    done = 1 / vpp",
+             ("tests/multirank/test_uneven_pipeline.py::test_exact_mode_matches_a_measured_step_with_short_end_chunks_"
+              "and_analytic_is_within_10_percent",)),
     Mutation("the interleaved pipeline's bubble is not divided by vpp", "slapo_tune/cost_model/_time.py",
              "    slots = m + (pp - 1) / vpp", "    slots = m + pp - 1",
              ("tests/unit/test_cost_model_techniques.py::test_interleaving_shrinks_the_bubble_and_holds_more_micro_batches",)),

@@ -8,7 +8,7 @@ module that holds it (patch a name where it is read, in that module, not here).
 - :mod:`._probe`: the activation probe (:func:`activation_probe`, :func:`probe_block`,
   :func:`probe_tp`): what one block keeps for its backward, measured in each precision.
 - :mod:`._schedule_math`: pipeline schedule arithmetic (:func:`flights`,
-  :func:`interleaved_warmup`, :func:`rank_blocks`, the ``checkpointed_*`` counts,
+  :func:`interleaved_warmup`, :func:`rank_blocks`, :func:`blocks_in_flight`, the ``checkpointed_*`` counts,
   :func:`dominant_stages`, :func:`pipeline_bubble`, :func:`megatron_microbatches_in_flight`).
 - :mod:`._columns`: the array layer that evaluates many points at once (:func:`by_branches`,
   ``_same``, ``_pick``, ``_each``...).
@@ -101,6 +101,7 @@ from ._schedule_math import (
     _flights,
     _stage_ckpt_positions,
     _stage_ckpt_summary,
+    blocks_in_flight,
     checkpointed_count,
     checkpointed_in_flight,
     checkpointed_per_chunk,
@@ -165,7 +166,7 @@ __all__ = [
     "_Split", "_TERM_FIELD", "_any", "_at_least_zero", "_block_bytes", "_ckpt_positions", "_dominant_stages",
     "_each", "_first_line", "_flights", "_int", "_max", "_measure_layout", "_min", "_nonzero", "_pick",
     "_ring", "_same", "_scalar", "_stage_ckpt_positions", "_stage_ckpt_summary", "activation_passes",
-    "activation_probe", "attention_pairs", "block_activations", "block_traffic", "by_branches", "checkpointed_count",
+    "activation_probe", "attention_pairs", "block_activations", "block_traffic", "blocks_in_flight", "by_branches", "checkpointed_count",
     "checkpointed_in_flight", "checkpointed_per_chunk", "checkpointed_per_stage", "combine",
     "dominant_stages", "flights", "fp8_saved_bytes", "fp8_transient_bytes", "fsdp_collectives",
     "gemm_seconds", "interleaved_chunks_in_flight", "interleaved_warmup", "layout_of", "linear_terms",
