@@ -343,19 +343,17 @@ NAMED = (
     Mutation("an interleaved rank's micro-batch in flight holds all its blocks (equal chunks assumed)",
              "slapo_tune/cost_model/_schedule_math.py",
              "    return vpp * sum(n * size for n, size in zip(counts, sizes)) / sum(counts)", "    return sum(sizes)",
-             ("tests/multirank/test_uneven_pipeline.py::test_exact_mode_matches_a_measured_step_with_short_end_chunks_"
-              "and_analytic_is_within_10_percent",)),
+             ("tests/unit/test_cost_model_techniques.py::test_blocks_in_flight_with_short_end_chunks_are_torchs",)),
     Mutation("an interleaved rank's checkpointed blocks counted over equal chunks", "slapo_tune/cost_model/_schedule_math.py",
              "    return tuple(sum(1 for i in range(*stage_block_range(total_layers, pp * vpp, stage)) if i in chosen)\n"
              "                 for stage in rank_stages(rank, pp, pp * vpp))",
              "    blocks = rank_blocks(total_layers, pp, rank, vpp)\n    chunk = len(blocks) // vpp\n"
              "    return tuple(sum(1 for i in blocks[k * chunk:(k + 1) * chunk] if i in chosen) for k in range(vpp))",
-             ("tests/multirank/test_uneven_pipeline.py::test_exact_mode_matches_a_measured_step_with_short_end_chunks_"
-              "and_analytic_is_within_10_percent",)),
+             ("tests/unit/test_cost_model_techniques.py::test_checkpointed_blocks_per_chunk_are_the_built_schedules",)),
     Mutation("an interleaved rank's backward end frees 1 / vpp of a micro-batch whatever its first chunk holds",
-             "slapo_tune/cost_model/_stage.py", "    done = first_chunk / in_flight", "    done = 1 / vpp",
-             ("tests/multirank/test_uneven_pipeline.py::test_exact_mode_matches_a_measured_step_with_short_end_chunks_"
-              "and_analytic_is_within_10_percent",)),
+             "slapo_tune/cost_model/_schedule_math.py",
+             "    return first / blocks_in_flight(total_layers, pp, rank, vpp, micro_batches)", "    return 1 / vpp",
+             ("tests/unit/test_cost_model_techniques.py::test_blocks_in_flight_with_short_end_chunks_are_torchs",)),
     Mutation("the interleaved pipeline's bubble is not divided by vpp", "slapo_tune/cost_model/_time.py",
              "    slots = m + (pp - 1) / vpp", "    slots = m + pp - 1",
              ("tests/unit/test_cost_model_techniques.py::test_interleaving_shrinks_the_bubble_and_holds_more_micro_batches",)),

@@ -96,12 +96,20 @@ def blocks_in_flight(total_layers: int, pp: int, rank: int, vpp: int, micro_batc
     :func:`checkpointed_in_flight` averages the checkpointed ones. Times :func:`flights`' micro-batches
     (``sum(counts) / vpp``), the blocks those chunks hold: with equal chunks the rank's blocks, with
     the ends short (the first rank's first chunk and the last rank's last one, which the warm-up
-    runs most and least) fewer or more."""
+    runs most and least) fewer or more. torch's steady state then holds as many, but on the last
+    rank one block more (a full chunk's forward follows its short chunk's backward)."""
     sizes = chunk_block_counts(total_layers, pp, rank, vpp)
     if vpp == 1:
         return sizes[0]
     counts = interleaved_chunks_in_flight(pp, vpp, micro_batches, rank)
     return vpp * sum(n * size for n, size in zip(counts, sizes)) / sum(counts)
+
+
+def first_chunk_share(total_layers: int, pp: int, rank: int, vpp: int, micro_batches: int) -> float:
+    """The share of a micro-batch in flight (:func:`blocks_in_flight`) the rank's first chunk holds:
+    what the end of a backward of that chunk frees (1 / vpp with equal chunks)."""
+    first = chunk_block_counts(total_layers, pp, rank, vpp)[0]
+    return first / blocks_in_flight(total_layers, pp, rank, vpp, micro_batches)
 
 
 @functools.lru_cache(maxsize=4096)

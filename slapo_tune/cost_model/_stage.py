@@ -43,6 +43,7 @@ from ._schedule_math import (
     blocks_in_flight,
     checkpointed_in_flight,
     dominant_stages,
+    first_chunk_share,
     interleaved_warmup,
 )
 
@@ -356,7 +357,7 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
         steady_sends = hidden_1 * _each(_sends_pending, pp, vpp, m, stage, schedule)
     # what a backward's end frees: a micro-batch's activations, or interleaved, its chunk's (the
     # rank's first: 1 / vpp of them when the chunks are equal)
-    done = first_chunk / in_flight
+    done = _each(first_chunk_share, layout.layers, pp, stage, vpp, m)
     return _Stage(
         stage=stage, first=first, last=last, per_stage=per_stage, emb_1=emb_1, ckpt=ckpt, first_ckpt=first_ckpt,
         last_ckpt=last_ckpt, n_ckpt=n_ckpt, before_top_ckpt=before_top_ckpt, first_chunk_ckpt=first_chunk_ckpt,
