@@ -55,10 +55,12 @@ def _spec(model: str, world: int, template: str | None = None, **overrides) -> P
                        seq_len=32)
 
 
-def test_the_space_offers_uneven_pp_and_interleaves_only_equal_chunks():
+def test_the_space_offers_uneven_pp_and_interleaves_equal_chunks_or_short_ends():
+    """(Megatron's split with the end stages one block short: tests/unit/test_space.py)"""
     space = _spec("gpt2-tiny", 3).resolve().space  # 4 blocks, 3 ranks: pp=3 was refused before
     assert space.legal_given("pp", {"tp": 1}) == [3]  # (pp=1: dp=3 does not divide the global batch 8)
     plan = _spec("gpt2-tiny", 3).resolve().plan("pp=3,pipeline_schedule=1f1b")
+    # 4 blocks at pp=3: neither 4 nor 4 + 2 = 6 splits into 3 v chunks of a block or more
     assert plan["vpp"] == 1 and space.legal_given("vpp", plan.knobs()) == [1]
     six = _spec("llama-tiny", 4, num_hidden_layers=6).resolve().space
     assert six.legal_given("pp", {"tp": 1}) == [1, 2, 4]
