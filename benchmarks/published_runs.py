@@ -28,9 +28,9 @@ does not wait.
 
 Runs marked ``held_out`` are kept aside: nothing in the cost model may be fitted to them. The
 report gives the fitted and the held-out runs apart. A run whose prediction is known to miss the
-0.85-1.15 band carries a ``miss`` note (a sentence: what part of the predicted step is in doubt);
-the report marks it, and tests/test_time_model.py asserts it still misses (whoever fixes it removes
-the note).
+0.85-1.15 band, or whose published configuration does not fit our runtime, carries a ``miss`` note
+(a sentence: what part of the prediction is in doubt, or what our runtime lacks); the report marks
+it, and tests/test_time_model.py asserts it still misses (whoever fixes it removes the note).
 
 The models: MosaicML's MPT (llm-foundry's benchmark tables) are GPT-2-style blocks: LayerNorm, one
 fused QKV projection, multi-head attention (FlashAttention there, SDPA here), a 4h GELU MLP, learned
@@ -49,9 +49,10 @@ Engine's FP8 GEMMs, Megatron's pipeline and communication overlap), so they are 
 apart: what the cost model of our runtime says of a configuration another runtime ran, which must
 still fit and run near its speed. A run on a GPU whose preset no fitted run uses (B200: its rates are
 the H100's share of its datasheet peak) is reported apart again: it tests the preset as much as the
-model. Llama-3.1 405B is not here: Megatron counts the embedding and the loss as pipeline layers (126
-blocks + 2 = 64 chunks of 2 under PP 8 x VP 8), our pipeline cuts blocks alone and interleaves only
-when ``pp * vpp`` divides them.
+model. Llama-3.1 405B (1,024 H100s: TP 8 + SP, CP 2, PP 8 x VP 8) is cut as Megatron cuts it,
+counting the embedding and the loss as pipeline layers (126 blocks + 2 = 64 chunks of 2: the first
+and last stages hold one block); it does not fit our runtime, whose context parallelism keeps the
+gathered keys and values repeated to the query heads (its rows' ``miss`` notes).
 
 Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]``; writes
 ``results/benchmarks/published_runs.json``, and ``python -m benchmarks`` puts its section into
@@ -316,7 +317,7 @@ def report_section(data: dict) -> list[str]:
                      f"{r['ratio']:.2f}{mark} | {r['published_mfu']:.1%} | {r['predicted_mfu']:.1%} | {ranked(r, '')} | "
                      f"{ranked(r, '_any')} |")
     if misses:
-        lines += ["", "Known misses (outside 0.85-1.15; the data file's `miss` note):", ""] + [f"- {m}" for m in misses]
+        lines += ["", "Known misses (outside 0.85-1.15, or not fitting our runtime; the data file's `miss` note):", ""] + [f"- {m}" for m in misses]
     lines += ["", "| runs | n | not fitting | pruned at the default budget | ratio median (range) | within 0.85-1.15 | median abs error | "
               "Spearman MFU | top 10 or first choice <= 1.10x (framework) | (every knob) |",
               "|---|---|---|---|---|---|---|---|---|---|"]

@@ -94,11 +94,19 @@ def rank_stages(rank: int, pp: int, stages: int) -> range:
 
 
 @functools.lru_cache(maxsize=4096)
-def rank_block_count(num_layers: int, pp: int, rank: int, vpp: int = 1) -> int:
-    """How many blocks pipeline ``rank`` holds when ``num_layers`` blocks are cut into ``pp * vpp``
-    stages (:func:`stage_block_counts`) and rank ``r`` holds stages ``r, r + pp, ...``."""
+def chunk_block_counts(num_layers: int, pp: int, rank: int, vpp: int = 1) -> tuple[int, ...]:
+    """How many blocks each of pipeline ``rank``'s ``vpp`` stages (its chunks, in its local order)
+    holds when ``num_layers`` blocks are cut into ``pp * vpp`` stages (:func:`stage_block_counts`)
+    and rank ``r`` holds stages ``r, r + pp, ...``: equal, or interleaved with the ends short, the
+    first rank's first chunk and the last rank's last one the fewer."""
     counts = stage_block_counts(num_layers, pp * vpp)
-    return sum(counts[stage] for stage in rank_stages(rank, pp, pp * vpp))
+    return tuple(counts[stage] for stage in rank_stages(rank, pp, pp * vpp))
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_block_count(num_layers: int, pp: int, rank: int, vpp: int = 1) -> int:
+    """How many blocks pipeline ``rank`` holds (the sum of its :func:`chunk_block_counts`)."""
+    return sum(chunk_block_counts(num_layers, pp, rank, vpp))
 
 
 def rank_block_counts(num_layers: int, pp: int, vpp: int = 1) -> list[int]:

@@ -8,8 +8,8 @@ this base class owns the knobs every template offers and the order of applicatio
 block by block), 3. tensor parallelism (``tp``), sequence parallelism (``sp``) and the vocabulary-parallel loss
 (``loss_parallel``: the LM head keeps its output sharded), 4. activation
 checkpointing (``ckpt_ratio`` of the blocks, spread uniformly; ``ckpt_policy`` says what they
-recompute), 5. pipeline cuts (``pp * vpp`` stages of equal block counts; rank ``r`` runs stages
-``r, r + pp, ...``). ``build`` then adds data parallelism (``dp``, ``zero``), and the runtime runs
+recompute), 5. pipeline cuts (``pp * vpp`` stages of block counts that differ by at most one, the
+first and last stages the fewer, as Megatron-LM's; rank ``r`` runs stages ``r, r + pp, ...``). ``build`` then adds data parallelism (``dp``, ``zero``), and the runtime runs
 ``micro_batch`` x accumulation under ``pipeline_schedule`` (interleaved when ``vpp > 1``).
 
 The global batch is held fixed: ``global_batch = dp * micro_batch * accumulation``
@@ -236,11 +236,20 @@ class Template:
         def vpp_choices(p: Point) -> list[int]:
             if p["pp"] == 1 or p["pipeline_schedule"] == "gpipe":
                 return [1]
-            n = accumulation(workload, p["dp"], p["micro_batch"])
-            # interleaving needs equal chunks: pp * vpp divides the blocks (so never under an uneven pp)
-            chunks = info.layers // p["pp"] if info.layers % p["pp"] == 0 else 1
-            interleaved = [v for v in divisors(chunks)[1:] if interleaved_microbatches_ok(n, p["pp"])]
-            return interleaved if p["pipeline_schedule"] == "zb" else [1, *interleaved]
+            pp, n = p["pp"], accumulation(workload, p["dp"], p["micro_batch"])
+            if not interleaved_microbatches_ok(n, pp):
+                return [] if p["pipeline_schedule"] == "zb" else [1]
+            # pp * vpp stages of equal chunks: pp * vpp divides the blocks
+            equal = divisors(info.layers // pp)[1:] if info.layers % pp == 0 else []
+            if p["pipeline_schedule"] == "zb":
+                return equal
+            # or Megatron-LM's split counting the embedding and the loss as a layer each: pp * vpp
+            # divides the blocks + 2, the first and last stages one block short (stage_block_counts
+            # cuts them so), each at least one block
+            padded = info.layers + 2
+            short_ends = [v for v in divisors(padded // pp)[1:] if padded % (pp * v) == 0 and pp * v <= info.layers] \
+                if padded % pp == 0 else []
+            return [1, *sorted({*equal, *short_ends})]
 
         knobs = [
             Knob("tp", tp_choices, doc="tensor-parallel degree (divides heads, KV heads, vocab, MLP width)",
@@ -268,8 +277,9 @@ class Template:
                  doc="gpipe, 1f1b (at least pp micro-batches) or zb (interleaved zero bubble: vpp > 1, zero <= 2, "
                      "full recomputation only)"),
             Knob("vpp", vpp_choices, ("tp", "pp", "micro_batch", "pipeline_schedule"),
-                 doc="virtual stages per pipeline rank: interleaved 1F1B when > 1 (pp * vpp divides the layers, "
-                     "at least pp micro-batches, a whole number of rounds)"),
+                 doc="virtual stages per pipeline rank: interleaved 1F1B when > 1 (pp * vpp divides the layers, or "
+                     "the layers + 2 with the first and last stages one layer short, as Megatron-LM counting the "
+                     "embedding and the loss; at least pp micro-batches, a whole number of rounds)"),
             Knob("loss_parallel", loss_parallel_choices, ("tp",), kind=str,
                  doc="fused, vocabulary-parallel loss: the cross-entropy computed in place on the LM head's "
                      "logits, which stay sharded over the tp group when tp > 1 (causal LMs)"),

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from search_spaces import template_for
 
-from .._partition import rank_block_count
 from ..errors import UsageError
 from ..plan import KNOB_DEFAULTS, accumulation, knob_value
 from ..problem import Problem
@@ -33,6 +32,7 @@ from .analytic import (
     _each,
     _flights,
     block_activations,
+    blocks_in_flight,
     by_branches,
     checkpointed_in_flight,
     dominant_stages,
@@ -389,10 +389,11 @@ class CostModel:
         plain, kept = least[:, 0], least[:, 1]
         floor = np.zeros(len(points))
         for stages in (np.zeros_like(pp), pp - 1):  # the first stage, the last
-            per_stage = _each(rank_block_count, layout.layers, pp, stages, vpp)
+            # the blocks a micro-batch in flight holds, as the stage's terms count them
+            in_flight = _each(blocks_in_flight, layout.layers, pp, stages, vpp, m).astype(float)
             states, gradients = self._stage_floors(points, stages.tolist(), w).T
             ckpt = _each(checkpointed_in_flight, ratio, layout.layers, pp, stages, vpp, m).astype(float)
-            block = (per_stage - ckpt) * plain + ckpt * kept
+            block = (in_flight - ckpt) * plain + ckpt * kept
             fresh, held = (a.astype(float) for a in _each(_flights, pp, schedule, stages, m, vpp))
             moment = np.where(m > 1, np.maximum(fresh * block, gradients + held * block), fresh * block)
             floor = np.maximum(floor, states + moment)

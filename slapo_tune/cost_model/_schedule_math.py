@@ -9,7 +9,14 @@ import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._partition import CKPT_SPREAD, checkpointed_indices, rank_block_count, rank_stages, stage_block_range
+from .._partition import (
+    CKPT_SPREAD,
+    checkpointed_indices,
+    chunk_block_counts,
+    rank_block_count,
+    rank_stages,
+    stage_block_range,
+)
 from ..plan import knob_value
 
 if TYPE_CHECKING:  # annotations only: the layout's module imports nothing of this one
@@ -78,9 +85,31 @@ def rank_blocks(total_layers: int, pp: int, rank: int, vpp: int = 1) -> list[int
 def checkpointed_per_chunk(ratio: float, total_layers: int, pp: int, rank: int, vpp: int = 1) -> tuple[int, ...]:
     """How many blocks of each of ``rank``'s ``vpp`` chunks are checkpointed (spread as the templates do)."""
     chosen = set(checkpointed_indices(total_layers, ratio, CKPT_SPREAD))
-    blocks = rank_blocks(total_layers, pp, rank, vpp)
-    chunk = len(blocks) // vpp
-    return tuple(sum(1 for i in blocks[k * chunk:(k + 1) * chunk] if i in chosen) for k in range(vpp))
+    return tuple(sum(1 for i in range(*stage_block_range(total_layers, pp * vpp, stage)) if i in chosen)
+                 for stage in rank_stages(rank, pp, pp * vpp))
+
+
+@functools.lru_cache(maxsize=4096)
+def blocks_in_flight(total_layers: int, pp: int, rank: int, vpp: int, micro_batches: int) -> float:
+    """The blocks of ``rank`` a micro-batch in flight holds: all of them, or interleaved, averaged
+    over the chunks in flight at the most (:func:`interleaved_chunks_in_flight`) as
+    :func:`checkpointed_in_flight` averages the checkpointed ones. Times :func:`flights`' micro-batches
+    (``sum(counts) / vpp``), the blocks those chunks hold: with equal chunks the rank's blocks, with
+    the ends short (the first rank's first chunk and the last rank's last one, which the warm-up
+    runs most and least) fewer or more. torch's steady state then holds as many, but on the last
+    rank one block more (a full chunk's forward follows its short chunk's backward)."""
+    sizes = chunk_block_counts(total_layers, pp, rank, vpp)
+    if vpp == 1:
+        return sizes[0]
+    counts = interleaved_chunks_in_flight(pp, vpp, micro_batches, rank)
+    return vpp * sum(n * size for n, size in zip(counts, sizes)) / sum(counts)
+
+
+def first_chunk_share(total_layers: int, pp: int, rank: int, vpp: int, micro_batches: int) -> float:
+    """The share of a micro-batch in flight (:func:`blocks_in_flight`) the rank's first chunk holds:
+    what the end of a backward of that chunk frees (1 / vpp with equal chunks)."""
+    first = chunk_block_counts(total_layers, pp, rank, vpp)[0]
+    return first / blocks_in_flight(total_layers, pp, rank, vpp, micro_batches)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,8 +148,8 @@ def _dominant_stages(layers: int, pp: int, ratio: float, vpp: int) -> tuple[int,
     chosen, seen = [0], set()
     for stage in range(1, pp - 1):
         # interleaved, too: a later rank's warm-up holds a prefix of an earlier one's chunk forwards
-        # and as many blocks (an uneven split: the middle stages hold one more than the ends)
-        positions = (_stage_ckpt_positions(ratio, layers, pp, stage, vpp), rank_block_count(layers, pp, stage, vpp))
+        # and as many blocks (an uneven split: the middle stages hold one more than the ends), chunk by chunk
+        positions = (_stage_ckpt_positions(ratio, layers, pp, stage, vpp), chunk_block_counts(layers, pp, stage, vpp))
         if positions not in seen:
             seen.add(positions)
             chosen.append(stage)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
-from .._partition import rank_block_count
+from .._partition import chunk_block_counts, rank_block_count
 from ..parallel._send_release import pending_gradient_sends
 from ..plan import Workload, accumulation, knob_value
 from ._columns import _any, _at_least_zero, _each, _int, _max, _min, _nonzero, _pick, _same, _scalar
@@ -40,8 +40,10 @@ from ._memory import (
 from ._schedule_math import (
     _flights,
     _stage_ckpt_summary,
+    blocks_in_flight,
     checkpointed_in_flight,
     dominant_stages,
+    first_chunk_share,
     interleaved_warmup,
 )
 
@@ -218,6 +220,7 @@ class _Stage(NamedTuple):
     n_ckpt: Any
     before_top_ckpt: Any
     first_chunk_ckpt: Any
+    first_chunk: Any
     full: Any
     ends: Any
     params: Any
@@ -270,7 +273,11 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
     # whether the block before the stage's last is one (one array each, for array columns)
     first_ckpt, last_ckpt, n_ckpt, before_top_ckpt, first_chunk_ckpt = _each(
         _stage_ckpt_summary, ratio, layout.layers, pp, stage, vpp)
-    full = per_stage - ckpt
+    # the blocks a micro-batch in flight holds, as ckpt counts its checkpointed ones: interleaved
+    # with the ends short, not the rank's blocks (blocks_in_flight); the rank's first chunk's blocks
+    in_flight = _each(blocks_in_flight, layout.layers, pp, stage, vpp, m)
+    first_chunk = _each(_first_chunk_blocks, layout.layers, pp, stage, vpp)
+    full = in_flight - ckpt
     ends = 0.0
     if first:
         ends += layout.pre_sharded / tp + layout.pre_replicated
@@ -348,16 +355,21 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
     steady_sends = 0.0
     if interleaved and accumulating:
         steady_sends = hidden_1 * _each(_sends_pending, pp, vpp, m, stage, schedule)
-    # what a backward's end frees: a micro-batch's activations, or interleaved, its chunk's
-    done = 1 / vpp
+    # what a backward's end frees: a micro-batch's activations, or interleaved, its chunk's (the
+    # rank's first: 1 / vpp of them when the chunks are equal)
+    done = _each(first_chunk_share, layout.layers, pp, stage, vpp, m)
     return _Stage(
         stage=stage, first=first, last=last, per_stage=per_stage, emb_1=emb_1, ckpt=ckpt, first_ckpt=first_ckpt,
         last_ckpt=last_ckpt, n_ckpt=n_ckpt, before_top_ckpt=before_top_ckpt, first_chunk_ckpt=first_chunk_ckpt,
-        full=full, ends=ends, params=params, shard=shard, grads=grads, grad_shards=grad_shards, head=head,
+        first_chunk=first_chunk, full=full, ends=ends, params=params, shard=shard, grads=grads, grad_shards=grad_shards, head=head,
         fresh=fresh, held=held, logits_fresh=logits_fresh, logits_held=logits_held, per_mb=per_mb, base=base,
         cache=cache, whole=whole, one=one, root=root, top=top, top_checkpointed=top_checkpointed,
         recompute=recompute, recopies=recopies, loss_1=loss_1, out_1=out_1, logits_1=logits_1, grad_1=grad_1,
         steady_sends=steady_sends, done=done)
+
+
+def _first_chunk_blocks(layers: int, pp: int, stage: int, vpp: int) -> int:
+    return chunk_block_counts(layers, pp, stage, vpp)[0]
 
 
 def _sends_pending(pp: int, vpp: int, m: int, stage: int, schedule: str) -> int:
@@ -641,7 +653,7 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
     rep_1, par_1, scores_1, fused_1, sel_1, hidden_1 = knobs.rep_1, knobs.par_1, knobs.scores_1, knobs.fused_1, \
         knobs.sel_1, knobs.hidden_1
     stage, first, last, cache, grads, emb_1 = st.stage, st.first, st.last, st.cache, st.grads, st.emb_1
-    first_chunk_ckpt, per_stage, per_mb, logits_1 = st.first_chunk_ckpt, st.per_stage, st.per_mb, st.logits_1
+    first_chunk_ckpt, per_mb, logits_1 = st.first_chunk_ckpt, st.per_mb, st.logits_1
     G = GRAD_BYTES
     # interleaved runtime schedules let each send go once its receive is proven posted
     # (slapo_tune.parallel._send_release): at the rank's last backward, beside the stage's gradients and
@@ -658,7 +670,7 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
     if _same(first_chunk_ckpt != 0):
         # the rank's last backward (its first chunk's, of the step's last micro-batch) rebuilds
         # that chunk's last checkpointed block beside every send but its own (made by it)
-        chunk_full = per_stage // vpp - first_chunk_ckpt
+        chunk_full = st.first_chunk - first_chunk_ckpt
         events["backward_last_rebuild"] = {
             **cache, **_gradients(knobs, st, st.top, True), "pp_sends": sent,
             "act_replicated": rep_1 * chunk_full, "act_parallel": par_1 * chunk_full,

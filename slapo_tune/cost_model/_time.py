@@ -296,7 +296,9 @@ def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, 
     sp = (tp > 1) & (point["sp"] == "on")
     vpp = choose(pp > 1, point["vpp"], 1)
     gpu = not hw.cores
-    # the slowest stage: the most blocks any holds (an uneven split: one more than the ends hold)
+    # the slowest stage: the most blocks any holds (an uneven split: one more than the ends hold;
+    # interleaved, the ranks between the ends hold (blocks + 2) / pp when the end chunks are one
+    # block short, the same: the space offers no other uneven interleaving, test_space checks)
     per_stage = -(-layout.layers // pp)
     if isinstance(pp, np.ndarray):  # few distinct (ratio, pp, vpp) of many points
         ckpt = np.array([checkpointed_count(0, r, layout.layers, n, v) for r, n, v in
@@ -311,7 +313,9 @@ def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, 
     bandwidth = hw.memory_bandwidth / sliced
     # the slowest stage's time slots: its m micro-batches and the pipeline's fill and drain, pp - 1
     # slots of a stage's work, each 1 / vpp as long when a rank's blocks are cut into vpp chunks
-    # (the bubble (pp - 1) / m, interleaved (pp - 1) / (vpp m): Narayanan et al. 2021)
+    # (the bubble (pp - 1) / m, interleaved (pp - 1) / (vpp m): Narayanan et al. 2021). With the
+    # end chunks one block short, every chunk of the slowest ranks is per_stage / vpp blocks; the
+    # fill's first chunk is one block shorter, which this leaves counted (one block's time)
     slots = m + (pp - 1) / vpp
     level = choose(dp > 1, point["zero"], 0)  # the ZeRO level in effect: nothing is sharded over one rank
     # the slowest stage's parameters: its blocks', and the embedding's or the head's (both on one stage)

@@ -156,6 +156,79 @@ def test_interleaved_warmup_is_torchs(pp, vpp, m):
             megatron_microbatches_in_flight(pp, vpp))
 
 
+def _torch_in_flight(pp: int, vpp: int, m: int, layers: int, rank: int) -> tuple[int, int, int]:
+    """Walking torch's ScheduleInterleaved1F1B action list of ``rank`` (its own lowering), with each
+    stage's blocks as the builder cuts them: the blocks in flight at the first backward, the most
+    at any moment, and the most right after a backward of the rank's first chunk."""
+    from torch.distributed.pipelining import schedules
+
+    from slapo_tune._partition import stage_block_counts
+    from slapo_tune.parallel._send_release import _lowered_orders
+
+    sizes = stage_block_counts(layers, pp * vpp)
+    held, first, most, after_first_chunk = 0, None, 0, 0
+    for action in _lowered_orders(schedules.ScheduleInterleaved1F1B, pp, vpp, m)[0][rank]:
+        kind = action.computation_type.value
+        if kind == "F":
+            held += sizes[action.stage_index]
+            most = max(most, held)
+        elif kind == "B":
+            first = held if first is None else first
+            held -= sizes[action.stage_index]
+            if action.stage_index == rank:
+                after_first_chunk = max(after_first_chunk, held)
+    return first, most, after_first_chunk
+
+
+@pytest.mark.parametrize("pp,vpp,m,layers", [(2, 2, 8, 6), (2, 2, 4, 6), (4, 2, 16, 14), (8, 8, 64, 126),
+                                             (8, 4, 24, 126), (8, 2, 16, 126), (4, 2, 8, 16)])
+def test_blocks_in_flight_with_short_end_chunks_are_torchs(pp, vpp, m, layers):
+    """Interleaved with the end chunks one block short (Megatron's split; 16 blocks at pp=4, vpp=2:
+    equal chunks), the analytic model's blocks in flight are torch's, walking its schedule's actions:
+    at each rank's first backward (blocks_in_flight x the micro-batches flights() counts), and on
+    the first rank, right after a backward of its first chunk, the share that chunk frees
+    (first_chunk_share). torch's steady state holds as many, but on the last rank one block more
+    (a full chunk's forward follows its short chunk's backward), which the model leaves out."""
+    from slapo_tune._partition import chunk_block_counts
+    from slapo_tune.cost_model.analytic import blocks_in_flight, first_chunk_share
+
+    for rank in range(pp):
+        first, most, after_first_chunk = _torch_in_flight(pp, vpp, m, layers, rank)
+        fresh = flights({"pp": pp, "vpp": vpp, "pipeline_schedule": "1f1b"}, rank, m)[0]
+        in_flight = blocks_in_flight(layers, pp, rank, vpp, m)
+        assert in_flight * fresh == pytest.approx(first), rank
+        sizes = chunk_block_counts(layers, pp, rank, vpp)
+        assert most == first + (max(sizes) - sizes[-1] if rank == pp - 1 else 0), rank
+        if rank == 0:
+            assert (fresh - first_chunk_share(layers, pp, rank, vpp, m)) * in_flight == pytest.approx(after_first_chunk)
+
+
+@pytest.mark.parametrize("layers,pp,vpp", [(6, 2, 2), (14, 4, 2), (126, 8, 8), (16, 4, 2)])
+def test_checkpointed_blocks_per_chunk_are_the_built_schedules(layers, pp, vpp):
+    """The checkpointed blocks of each of a rank's chunks, as the analytic model counts them, are
+    those the Llama template marks in the stages the schedule cuts (the first and last stages one
+    block short where pp * vpp divides the blocks + 2), at every checkpoint ratio."""
+    from slapo_tune import create_schedule
+    from slapo_tune._partition import rank_stages
+    from slapo_tune.cost_model.analytic import checkpointed_per_chunk
+    from slapo_tune.schedule._pipeline import pipeline_cuts
+    from slapo_tune.schedule._schedule import state_of
+
+    problem = ProblemSpec("llama-tiny", pp, model_overrides={"num_hidden_layers": layers}, global_batch=2 * pp,
+                          seq_len=16).resolve()
+    for ratio in (0.25, 0.5, 0.75):
+        plan = problem.plan({"pp": pp, "vpp": vpp, "micro_batch": 1, "ckpt_ratio": ratio, "pipeline_schedule": "1f1b"})
+        sch = create_schedule(problem.model.build("meta"))
+        problem.template.apply(sch, plan)
+        cuts = pipeline_cuts(sch)
+        assert cuts.num_stages == pp * vpp
+        for rank in range(pp):
+            marked = tuple(sum(bool(getattr(state_of(sch.mod.get_submodule(cuts.block_path(i))), "checkpointed", False))
+                               for i in range(lo, hi + 1))
+                           for lo, hi in (cuts.stages[s] for s in rank_stages(rank, pp, pp * vpp)))
+            assert checkpointed_per_chunk(ratio, layers, pp, rank, vpp) == marked, (ratio, rank)
+
+
 def test_megatron_formulas():
     """Korthikanti et al. 2022, Table 2, as written: without parallelism sbh (34 + 5as/h); the tp
     and tp+sp forms reduce to it at t=1; selective drops the score term; full keeps 2sbh."""

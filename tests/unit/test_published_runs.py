@@ -30,8 +30,8 @@ def test_every_run_is_cited_and_some_are_kept_aside(runs):
 def test_the_built_models_have_the_published_parameter_counts(runs):
     """The stand-in (Hugging Face GPT-2 blocks at MPT's shape) against each table's NumParams: within
     0.2 % (GPT-2's biases, which MPT lacks), at every size and sequence length (learned positions);
-    NVIDIA's Llama-3 8B and 70B, built from the Llama template, at their 8,030,261,248 and
-    70,553,706,496 (Meta's configs: untied heads, vocabulary 128,256)."""
+    NVIDIA's Llama-3 8B and 70B and Llama-3.1 405B, built from the Llama template, at their
+    8,030,261,248, 70,553,706,496 and 405,853,388,800 (Meta's configs: untied heads, vocabulary 128,256)."""
     seen = set()
     for run in runs:
         key = (run["model"]["name"], run["seq_len"])

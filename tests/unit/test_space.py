@@ -251,3 +251,49 @@ def test_pinned_space_is_the_points_with_those_values():
         problem.pinned("tp=3")
     with pytest.raises(UsageError, match="unknown knob 'speed'"):
         problem.pinned({"speed": "max"})
+
+
+def _vpp_offered(info, pp, schedule="1f1b", global_batch=None):
+    """The vpp values the template offers at ``pp`` (world pp: dp 1, one sample per micro-batch)."""
+    tpl = template_for(load_config("llama-tiny"))
+    workload = Workload(pp, global_batch or 2 * pp, 16)
+    prefix = dict(tp=1, pp=pp, cp=1, sp="off", zero=0, micro_batch=1, ckpt_ratio=0.0, ckpt_policy="full",
+                  pipeline_schedule=schedule)
+    return tpl.space(info, workload).legal_given("vpp", prefix)
+
+
+def test_vpp_offers_equal_chunks_and_megatrons_split_with_the_ends_one_block_short():
+    """Beside ``pp * vpp`` dividing the blocks, the space offers Megatron-LM's interleaved split
+    that counts the embedding and the loss as a layer each (account_for_embedding/loss_in_pipeline_split):
+    ``pp * vpp`` divides the blocks + 2 (at most the blocks). Ground truth: those two rules by brute
+    force over every v, and the cut the builder makes of each offered v (stage_block_counts): equal
+    chunks, or chunks of (blocks + 2) / (pp vpp) with one block fewer on the first and the last."""
+    from dataclasses import replace
+
+    from slapo_tune._partition import rank_block_counts, stage_block_counts
+
+    base = ModelInfo.from_config(load_config("llama-tiny"))
+    for layers in range(2, 31):
+        info = replace(base, layers=layers)
+        for pp in range(2, layers + 1):
+            offered = _vpp_offered(info, pp)
+            equal = {v for v in range(2, layers + 1) if layers % (pp * v) == 0}
+            short = {v for v in range(2, layers + 1) if (layers + 2) % (pp * v) == 0 and pp * v <= layers}
+            assert offered == [1, *sorted(equal | short)], (layers, pp, offered)
+            for v in short:
+                c = (layers + 2) // (pp * v)
+                assert stage_block_counts(layers, pp * v) == [c - 1] + [c] * (pp * v - 2) + [c - 1], (layers, pp, v)
+            for v in offered:  # the time model's slowest rank: ceil(blocks / pp) blocks
+                assert max(rank_block_counts(layers, pp, v)) == -(-layers // pp), (layers, pp, v)
+            # zero bubble keeps equal chunks only; GPipe never interleaves
+            assert _vpp_offered(info, pp, "zb") == sorted(equal), (layers, pp)
+            assert _vpp_offered(info, pp, "gpipe") == [1]
+    # Llama-3.1 405B (126 blocks) at PP 8: NVIDIA's VP 8 cuts [1, 2 x 62, 1]; v = 16 would leave the ends empty
+    llama405 = replace(base, layers=126)
+    assert _vpp_offered(llama405, 8) == [1, 2, 4, 8]
+    assert stage_block_counts(126, 64) == [1] + [2] * 62 + [1]
+    # 6 blocks at pp=2: v=2 ([1, 2, 2, 1]) and v=3 (equal); v=4 would need 8 blocks
+    assert _vpp_offered(replace(base, layers=6), 2) == [1, 2, 3]
+    # the micro-batches still decide: 9 over pp=4 are not whole rounds (14 blocks: v=2 by the new rule)
+    assert _vpp_offered(replace(base, layers=14), 4) == [1, 2]
+    assert _vpp_offered(replace(base, layers=14), 4, global_batch=9) == [1]

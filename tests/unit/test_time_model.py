@@ -163,10 +163,13 @@ def test_published_runs_fit_and_are_predicted_within_15_percent():
     """Every published run (benchmarks/data/published_runs.json: llm-foundry's MPT 760M-70B on 8-128
     A100s and H100s, FSDP, with and without recomputation; NVIDIA's Llama-3 8B and 70B in FP8 on 8
     and 64 GPUs: TP 4 with sequence parallelism, an interleaved PP 8 x VP 5, the distributed optimizer
-    or Megatron FSDP) fits its GPU, is kept by the cost model at tune's default budget there, and is
+    or Megatron FSDP; Llama-3.1 405B on 1,024: TP 8, CP 2, PP 8 x VP 8 with the end stages one block
+    short) is kept by the cost model at tune's default budget on its GPU, fits the GPU, and is
     predicted within 15 % of its published tokens/s/GPU, the held-out runs too (the mechanisms'
     constants were fitted on the others: benchmarks/fit_constants.py), except the runs whose ``miss``
-    note says what their prediction lacks: those must still miss (whoever fixes one removes its note).
+    note says what their prediction, or our runtime, lacks (405B: our context parallelism keeps the
+    gathered K and V repeated to the query heads, and does not fit): those must still miss, by not
+    fitting or by their ratio (whoever fixes one removes its note).
     FSDP fully hidden behind compute (FSDP_OVERLAP = 1) put 13B on 8 H100s 34 % fast; the 70B rows
     were 113.8 and 131.8 GiB and 0.82 before the runtime freed its pipeline sends, fused its norms and
     SwiGLU, upcast ZeRO-1's gradients block by block and overlapped the sequence-parallel backward
@@ -175,8 +178,8 @@ def test_published_runs_fit_and_are_predicted_within_15_percent():
 
     rows = [evaluate(run, rank=False) for run in load_runs()]
     assert any("llama3" in r["id"] for r in rows)
-    assert all(r["fits"] and r["kept"] for r in rows), [r["id"] for r in rows if not (r["fits"] and r["kept"])]
-    off = {r["id"]: round(r["ratio"], 3) for r in rows if not 0.85 <= r["ratio"] <= 1.15}
+    assert all(r["kept"] for r in rows), [r["id"] for r in rows if not r["kept"]]
+    off = {r["id"]: (r["fits"], round(r["ratio"], 3)) for r in rows if not (r["fits"] and 0.85 <= r["ratio"] <= 1.15)}
     noted = {r["id"] for r in rows if r["miss"]}
     assert set(off) == noted, (off, noted)
 
