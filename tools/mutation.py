@@ -36,6 +36,12 @@ class Mutation:
 
 
 NAMED = (
+    Mutation("the driver's random escape lists the whole space", "slapo_tune/search/_strategies.py",
+             "    for _ in range(RANDOM_WALKS):", "    for _ in range(0):",
+             ("tests/unit/test_random_unknown.py::test_a_large_space_gives_a_legal_untried_point_without_being_listed",)),
+    Mutation("the driver's random escape returns a point already tried", "slapo_tune/search/_strategies.py",
+             "        if point_key(point) not in tried:", "        if True:",
+             ("tests/unit/test_random_unknown.py::test_the_last_untried_point_is_found_and_none_once_all_are_tried",)),
     Mutation("FSDP's prefetched traffic never hidden behind compute on a GPU", "slapo_tune/cost_model/_time.py",
              "FSDP_OVERLAP = 1.0", "FSDP_OVERLAP = 0.0",
              ("tests/unit/test_time_model.py::test_published_runs_fit_and_are_predicted_within_15_percent",)),

@@ -56,8 +56,23 @@ def make_strategy(name: str, problem: Problem, seed: int = 0,
     return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed, known)
 
 
+# random walks down the knobs tried before the points left are listed (see random_unknown)
+RANDOM_WALKS = 64
+
+
 def random_unknown(space: Space, known: Known, seed: int) -> Point | None:
-    """A random point not tried yet (when a sampler keeps proposing known ones)."""
+    """A random point not tried yet (when a sampler keeps proposing known ones): a walk down the
+    knobs, each value drawn among those that keep the point completable (:meth:`Space.legal_values`),
+    up to :data:`RANDOM_WALKS` times; only then (nearly every point tried, or a small space) the
+    points left, listed. Listing a large model's space (millions of points, a key each) took 10 s
+    per call, several times a search."""
     tried = known.status.keys() | known.running.keys()
+    rng = random.Random(seed + len(tried))
+    for _ in range(RANDOM_WALKS):
+        point: Point = {}
+        for knob in space.knobs:
+            point[knob.name] = rng.choice(space.legal_values(knob.name, point))
+        if point_key(point) not in tried:
+            return point
     left = [p for p in space.enumerate() if point_key(p) not in tried]
-    return random.Random(seed + len(tried)).choice(left) if left else None
+    return rng.choice(left) if left else None
