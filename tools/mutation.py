@@ -42,6 +42,10 @@ NAMED = (
     Mutation("the driver's random escape returns a point already tried", "slapo_tune/search/_strategies.py",
              "        if point_key(point) not in tried:", "        if True:",
              ("tests/unit/test_random_unknown.py::test_the_last_untried_point_is_found_and_none_once_all_are_tried",)),
+    Mutation("the driver's random escape walks a small space too (recorded searches no longer replay)",
+             "slapo_tune/search/_strategies.py", "    if space.count() > LISTED_POINTS:", "    if True:",
+             ("tests/unit/test_random_unknown.py::"
+              "test_a_small_space_draws_uniformly_among_the_points_left_as_recorded_searches_were_seeded",)),
     Mutation("FSDP's prefetched traffic never hidden behind compute on a GPU", "slapo_tune/cost_model/_time.py",
              "FSDP_OVERLAP = 1.0", "FSDP_OVERLAP = 0.0",
              ("tests/unit/test_time_model.py::test_published_runs_fit_and_are_predicted_within_15_percent",)),

@@ -56,23 +56,27 @@ def make_strategy(name: str, problem: Problem, seed: int = 0,
     return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed, known)
 
 
-# random walks down the knobs tried before the points left are listed (see random_unknown)
+# a space of at most this many points is listed (uniform over the points left, a second or less);
+# a larger one is walked, at most RANDOM_WALKS times, before it is listed (see random_unknown)
+LISTED_POINTS = 100_000
 RANDOM_WALKS = 64
 
 
 def random_unknown(space: Space, known: Known, seed: int) -> Point | None:
-    """A random point not tried yet (when a sampler keeps proposing known ones): a walk down the
-    knobs, each value drawn among those that keep the point completable (:meth:`Space.legal_values`),
-    up to :data:`RANDOM_WALKS` times; only then (nearly every point tried, or a small space) the
-    points left, listed. Listing a large model's space (millions of points, a key each) took 10 s
-    per call, several times a search."""
+    """A random point not tried yet (when a sampler keeps proposing known ones). A space of at most
+    :data:`LISTED_POINTS` points (:meth:`Space.count`, which lists none) is listed and a point
+    left drawn uniformly. A larger one (a large model's: millions of points, whose listing and
+    keying took 10 s per call, several times a search) is walked down its knobs, each value drawn
+    among those that keep the point completable (:meth:`Space.legal_values`), up to
+    :data:`RANDOM_WALKS` times; only if every walk meets a tried point is it listed."""
     tried = known.status.keys() | known.running.keys()
     rng = random.Random(seed + len(tried))
-    for _ in range(RANDOM_WALKS):
-        point: Point = {}
-        for knob in space.knobs:
-            point[knob.name] = rng.choice(space.legal_values(knob.name, point))
-        if point_key(point) not in tried:
-            return point
+    if space.count() > LISTED_POINTS:
+        for _ in range(RANDOM_WALKS):
+            point: Point = {}
+            for knob in space.knobs:
+                point[knob.name] = rng.choice(space.legal_values(knob.name, point))
+            if point_key(point) not in tried:
+                return point
     left = [p for p in space.enumerate() if point_key(p) not in tried]
     return rng.choice(left) if left else None

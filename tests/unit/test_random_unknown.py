@@ -3,10 +3,13 @@ a legal point not tried yet, found without listing a large space."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from slapo_tune.plan import TrialStatus
 from slapo_tune.problem import ProblemSpec
+from slapo_tune.search import _strategies
 from slapo_tune.search._known import Known
 from slapo_tune.search._strategies import random_unknown
 from slapo_tune.space import point_key
@@ -34,12 +37,27 @@ def test_a_large_space_gives_a_legal_untried_point_without_being_listed(monkeypa
     assert len({point_key(p) for p in drawn}) > 1  # random: the seeds draw different points
 
 
-def test_the_last_untried_point_is_found_and_none_once_all_are_tried():
-    """A small space: with every point but one tried the walks keep meeting tried points, and the
-    one left is found among the points listed; with every point tried there is none."""
+@pytest.mark.parametrize("walked", [False, True])
+def test_the_last_untried_point_is_found_and_none_once_all_are_tried(monkeypatch, walked):
+    """A small space (listed; and walked first, as a large one is): with every point but one tried
+    the one left is found, with every point tried there is none."""
+    if walked:
+        monkeypatch.setattr(_strategies, "LISTED_POINTS", 0)
     space = ProblemSpec("gpt2-tiny", 1, global_batch=4, seq_len=32).resolve().space
     points = list(space.enumerate())
     assert len(points) > 8
     last = points[len(points) // 2]
     assert random_unknown(space, _known([p for p in points if p != last]), seed=0) == last
     assert random_unknown(space, _known(points), seed=0) is None
+
+
+def test_a_small_space_draws_uniformly_among_the_points_left_as_recorded_searches_were_seeded():
+    """At most LISTED_POINTS points: the draw is the seeded uniform choice among the points left in
+    the space's order (the recorded grids' searches replay seed for seed)."""
+    space = ProblemSpec("gpt2-tiny", 2, global_batch=8, seq_len=32).resolve().space
+    points = list(space.enumerate())
+    assert len(points) <= _strategies.LISTED_POINTS
+    for seed in range(4):
+        tried = points[seed:seed + 5]
+        left = [p for p in points if p not in tried]
+        assert random_unknown(space, _known(tried), seed) == random.Random(seed + len(tried)).choice(left)
