@@ -247,8 +247,7 @@ class Template:
             # divides the blocks + 2, the first and last stages one block short (stage_block_counts
             # cuts them so), each at least one block
             padded = info.layers + 2
-            short_ends = [v for v in divisors(padded // pp)[1:] if padded % (pp * v) == 0 and pp * v <= info.layers] \
-                if padded % pp == 0 else []
+            short_ends = [v for v in divisors(padded // pp)[1:] if pp * v <= info.layers] if padded % pp == 0 else []
             return [1, *sorted({*equal, *short_ends})]
 
         knobs = [
