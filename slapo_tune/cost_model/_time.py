@@ -131,7 +131,7 @@ class FsdpHost(str, enum.Enum):
       like in FSDP1's limit_all_gathers=True"), Megatron-FSDP (its all-gathers and reduce-scatters
       are ``async_op=True`` works whose ``wait()`` orders NCCL's stream before the current one).
     - ``WAITS_PER_UNIT``: FSDP1's rate limiter (``limit_all_gathers=True``, its default since
-      torch 2.1, and llm-foundry's yamls): ``_unshard`` calls ``event.synchronize()`` on the free
+      torch 2.1, set by llm-foundry's benchmark runs: submit_benchmarks.py): ``_unshard`` calls ``event.synchronize()`` on the free
       event of the unit two back before each all-gather.
 
     tests/unit/test_fsdp_host.py checks both facts against the pinned torch's source.
