@@ -186,7 +186,7 @@ def evaluate(run: dict, rank: bool) -> dict:
            "published_mfu": run["published"]["mfu"], "breakdown": timing.breakdown, "miss": run.get("miss")}
     if rank:
         # over every point, as plan ranks them: on our runtime (FSDP2), the published configuration too
-        ours = model if model.fsdp_host is FsdpHost.RUNS_AHEAD else CostModel(problem, hw)
+        ours = model if model.fsdp_host is FsdpHost.RUNS_AHEAD else CostModel(problem, hw, layout=model.layout)
         every = _plan_rank(problem, ours, budget, ours.time(point).throughput(problem.workload), [{}])
         # within one framework's layouts, its points (plan's list shows one per layout), as its
         # runtime runs them
