@@ -44,6 +44,9 @@ class ModelLayout:
     # next tokens, so no query may see its own label): a causal SDPA kernel skips the masked blocks
     # (:func:`~._time.attention_pairs`). False in layouts from before it, and in BERT's
     causal: bool = False
+    # the attention's dropout probability in training (the config's): context parallelism's fused
+    # chunked kernels run only without it (:mod:`slapo_tune.parallel._context_parallel`)
+    attention_dropout: float = 0.0
     # measured by :func:`activation_probe`, per precision (``{"amp-bf16": {"sdpa/off/rep": ...}}``),
     # as the training step runs it: bytes one block saves for its backward per token, and per
     # attention-score element (per head, per query and key), per attention kernel
@@ -60,7 +63,7 @@ class ModelLayout:
 
 
 _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
-LAYOUT_VERSION = 9  # bump when what a layout measures changes: cached layouts are then remeasured
+LAYOUT_VERSION = 10  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
 def layout_of(config: Any, template: Template) -> ModelLayout:
@@ -133,8 +136,30 @@ def _measure_layout(config: Any, template: Template) -> ModelLayout:
         block_sharded=block_sharded, block_replicated=block_rep, pre_sharded=pre_sharded,
         pre_replicated=pre_rep, post_sharded=post_sharded, post_replicated=post_rep, tied_head=tied,
         activation=activation if isinstance(activation, str) else "", causal=bool(template.causal_lm),
-        token_bytes=token_bytes, score_bytes=score_bytes, probe_fallbacks=fallbacks,
+        attention_dropout=attention_dropout_of(config), token_bytes=token_bytes, score_bytes=score_bytes, probe_fallbacks=fallbacks,
     )
+
+
+def attention_dropout_of(config: Any) -> float:
+    """The attention dropout probability ``config`` trains with, under the names Hugging Face's
+    families give it (Llama-style ``attention_dropout``, GPT-2's ``attn_pdrop``, BERT's, MPT's
+    ``attn_config``); 0 where it names none."""
+    for name in ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob"):
+        value = getattr(config, name, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    nested = getattr(config, "attn_config", None)
+    value = nested.get("attn_pdrop") if isinstance(nested, dict) else getattr(nested, "attn_pdrop", None)
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def cp_gathers_keys(layout: ModelLayout, attn: str, mode: Precision, gpu: bool) -> bool:
+    """Does context parallelism keep the gathered keys and values (repeated to the query heads) for
+    its backward? Eager attention does, and SDPA under attention dropout, or on a GPU in fp32 (no
+    FlashAttention-2); otherwise the chunked flash kernels keep only the rank's own
+    (:mod:`slapo_tune.parallel._context_parallel`)."""
+    # elementwise over arrays of ``attn`` (the time model's columns) as over one point's
+    return (attn == "eager") | (layout.attention_dropout > 0) | (gpu & (mode.activation_bytes >= 4))
 
 
 def scores_materialised(layout: ModelLayout, attn: str, mode: Precision, gpu: bool = False) -> bool:

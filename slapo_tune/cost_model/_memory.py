@@ -28,7 +28,7 @@ import numpy as np
 from ..plan import Workload, knob_value
 from ..precision import Precision
 from ._columns import _at_least_zero, _pick
-from ._layout import ModelLayout, scores_materialised
+from ._layout import ModelLayout, cp_gathers_keys, scores_materialised
 
 MEMORY_TERMS = (
     "weights",  # parameters the rank holds between steps (sharded by tp; by dp under zero>=1: fp32 shards)
@@ -258,9 +258,11 @@ def block_activations(layout: ModelLayout, point: Mapping[str, Any], workload: W
     rep_1 = tokens * (rep_bytes - seq_bytes + seq_bytes / tp)
     par_1 = tokens * par_bytes / tp
     # cp > 1: attention keeps the keys and values gathered over the whole sequence (repeated to the
-    # query heads under grouped-query attention) for its backward
+    # query heads under grouped-query attention) for its backward where it gathers them
+    # (cp_gathers_keys); the chunked flash kernels keep only the rank's own, as without cp
     gathered_width = 2 * (q if layout.kv_heads < layout.heads else kv)
-    par_1 = par_1 + _pick(cp > 1, b * s * gathered_width * B / tp, 0.0)
+    gathers = cp_gathers_keys(layout, attn, mode, gpu=backend == "nccl")
+    par_1 = par_1 + _pick((cp > 1) & gathers, b * s * gathered_width * B / tp, 0.0)
     # selective recomputation keeps the matmul outputs of a checkpointed block (row-parallel ones
     # whole: partial sums before their reduction; column-parallel ones divided), recomputes the rest
     sel_rep = measured.get("sel/rep", B * 2 * layout.hidden)

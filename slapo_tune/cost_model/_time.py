@@ -24,7 +24,7 @@ import numpy as np
 from ..plan import Workload, accumulation, knob_value
 from ..precision import Precision
 from ._columns import _max, _min
-from ._layout import ModelLayout, scores_materialised
+from ._layout import ModelLayout, cp_gathers_keys, scores_materialised
 from ._memory import GRAD_BYTES
 from ._schedule_math import checkpointed_count
 from .hardware import Hardware, choose, larger
@@ -284,6 +284,7 @@ class _Step(NamedTuple):
     slots: Any
     level: Any
     stage_params: Any
+    chunked: Any  # context parallelism runs the chunked flash kernels (not the gathered keys' mask)
 
 
 def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware) -> _Step:
@@ -322,8 +323,9 @@ def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, 
     block_params = layout.block_sharded / tp + layout.block_replicated
     edges = [layout.pre_sharded / tp + layout.pre_replicated, layout.post_sharded / tp + layout.post_replicated]
     stage_params = per_stage * block_params + choose(pp == 1, sum(edges), larger(*edges))
+    chunked = np.logical_not(cp_gathers_keys(layout, point["attn"], mode, gpu))
     return _Step(mode, tp, pp, dp, cp, b, s, B, m, sp, vpp, gpu, per_stage, ckpt, tokens, world, bandwidth, slots,
-                 level, stage_params)
+                 level, stage_params, chunked)
 
 
 def _block_linears(layout: ModelLayout, hw: Hardware, step: _Step) -> tuple[Any, Any, Any, Any]:
@@ -340,15 +342,20 @@ def _block_linears(layout: ModelLayout, hw: Hardware, step: _Step) -> tuple[Any,
             linear(tokens, layout.hidden, width / tp), linear(tokens, layout.intermediate / tp, layout.hidden))
 
 
-def attention_pairs(layout: ModelLayout, s: int, cp: Any) -> Any:
+def attention_pairs(layout: ModelLayout, s: int, cp: Any, chunked: Any = True) -> Any:
     """Query-key pairs per head and sequence a GPU's fused attention (SDPA) computes on one rank.
     A causal layout's kernel (``is_causal``: FlashAttention-2) skips the blocks above the diagonal,
     computing the causal mask's kept pairs, s (s + 1) / 2 of s^2: half, as FlashAttention-2's paper
     counts causal FLOPs (and measures the efficiency :data:`FLASH_EFFICIENCY` cites). Under context
-    parallelism (cp > 1) the runtime gathers the keys and calls SDPA with an explicit boolean mask
-    (:mod:`slapo_tune._context_parallel`), which no fused kernel skips blocks of: the whole chunk's
-    s / cp queries against s keys, as for a non-causal layout. Elementwise over arrays of ``cp``."""
-    return choose(layout.causal & (cp == 1), s * (s + 1) / 2, s / cp * s)
+    parallelism (cp > 1) the runtime's chunked flash kernels (``chunked``: where it does not gather
+    the keys, :func:`~._layout.cp_gathers_keys`) compute a rank's two chunks of c = s / (2 cp)
+    queries against the keys before them, the whole earlier chunks and their own chunk's causal
+    half: (2 cp - 1) c^2 + c (c + 1) = s (s + 1) / (2 cp), a cp-th of the causal pairs. Where it
+    gathers the keys it calls SDPA with an explicit boolean mask, which no fused kernel skips blocks
+    of: the whole chunk's s / cp queries against s keys, as for a non-causal layout. Elementwise
+    over arrays of ``cp`` and ``chunked``."""
+    causal = s * (s + 1) / 2 / cp
+    return choose(layout.causal & ((cp == 1) | chunked), causal, s / cp * s)
 
 
 def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
@@ -369,7 +376,8 @@ def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Work
     # an s x d @ d x s and an s x s @ s x d product, every score materialised, masked or not
     # (context parallelism: the chunk's s / cp queries against the whole sequence's s keys)
     attn_fwd = choose((point["attn"] == "sdpa") & gpu,
-                        4 * b * heads * attention_pairs(layout, s, cp) * layout.head_dim / (hw.flops * FLASH_EFFICIENCY),
+                        4 * b * heads * attention_pairs(layout, s, cp, step.chunked) * layout.head_dim
+                        / (hw.flops * FLASH_EFFICIENCY),
                         b * heads * (gemm(s / cp, layout.head_dim, s) + gemm(s / cp, s, layout.head_dim)))
     traffic_fwd = (tokens * block_traffic(layout, point, s, workload.mode, gpu) * B / bandwidth
                    if hw.memory_bandwidth else 0.0)
@@ -437,12 +445,15 @@ def _communication_terms(layout: ModelLayout, point: Mapping[str, Any], hw: Hard
                                    _ring(tokens * layout.vocab * B, tp, hw, "all_gather"))
     # context parallelism (counted with tp_comm: the blocks' collectives on the critical path, not
     # overlapped): each attention all-gathers K and V of the whole sequence over the cp group (ranks
-    # tp apart), again when a checkpointed block recomputes, and its backward all-reduces their
-    # gradients; the loss all-reduces its token count
+    # tp apart), again when a checkpointed block recomputes, and again in backward where the chunked
+    # kernels kept only the rank's own; backward reduce-scatters their gradients; the loss
+    # all-reduces its token count
     kv_bytes = b * s * kv / tp * B
     cp_gather = _ring(kv_bytes, cp, hw, "all_gather", stride=tp)
-    cp_reduce = _ring(kv_bytes, cp, hw, "all_reduce", stride=tp)
-    tp_comm = tp_comm + choose(cp > 1, 2 * slots * ((per_stage + ckpt) * cp_gather + per_stage * cp_reduce)
+    # (gloo's reduce-scatter costs what its all-reduce does, as for sequence parallelism's above)
+    cp_reduce = _ring(kv_bytes, cp, hw, stride=tp) if hw.cores else _ring(kv_bytes, cp, hw, "reduce_scatter", stride=tp)
+    cp_gathers = per_stage * (1 + step.chunked) + ckpt
+    tp_comm = tp_comm + choose(cp > 1, 2 * slots * (cp_gathers * cp_gather + per_stage * cp_reduce)
                                + m * _ring(4, cp, hw, stride=tp), 0.0)
     # a hidden state (a sequence shard under sequence parallelism) and its gradient cross each rank
     # boundary; interleaved, each micro-batch crosses vpp times as many. Stages are tp x dp ranks

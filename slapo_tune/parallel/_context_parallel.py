@@ -5,10 +5,23 @@ query sees the whole sequence up to its own global position.
 * Positions: each rank passes the global ``position_ids`` of its chunks to the model (absolute
   embeddings and rotary tables see the true positions).
 * Attention: a Hugging Face attention function (:data:`CP_ATTENTION`, registered with
-  ``AttentionInterface``) gathers ``K`` and ``V`` along the sequence (``_comm.gather_reduce``: its
-  backward reduce-scatters their gradients) and masks causally by the global positions of this
-  rank's queries and of the gathered keys. The model's own mask is not built (its mask function
-  returns None): the sequences are unpadded, as every batch the runtime trains on.
+  ``AttentionInterface``) all-gathers ``K`` and ``V`` along the sequence, at the key/value heads'
+  width, and attends causally by global position. The model's own mask is not built (its mask
+  function returns None): the sequences are unpadded, as every batch the runtime trains on.
+
+  ``sdpa`` without attention dropout runs as Megatron-LM's all-gather context parallelism does
+  (Transformer Engine's ``AttnFuncWithCPAndKVAllGather``; :class:`_ChunkedCausalAttention`): each
+  of the rank's two query chunks attends to the keys before it, in two fused flash-attention calls
+  (the keys of earlier chunks, all kept; its own chunk's, causal), merged by their log-sum-exps, so
+  no mask is built and no masked block is computed. Its backward keeps only this rank's ``K`` and
+  ``V`` (not the gathered ones), gathers them again, runs the kernels' own backward with the merged
+  output and log-sum-exp, and reduce-scatters the keys' and values' gradients.
+
+  ``eager``, and ``sdpa`` under attention dropout (the fused kernels' dropout cannot be replayed
+  across two calls here, and torch's CPU flash kernel has none), gather ``K`` and ``V``
+  (``_comm.gather_reduce``: its backward reduce-scatters their gradients), repeat them to the query
+  heads and mask causally by the global positions of this rank's queries and of the gathered keys;
+  autograd keeps the gathered keys and values for the backward.
 * Loss: labels are shifted over the whole sequence before it is split (a chunk's last token
   predicts the next chunk's first), each rank sums its tokens' cross-entropy and divides by the
   token count of the whole micro-batch; the ranks' losses and gradients are then summed over the cp
@@ -23,6 +36,7 @@ gathers, the mask built from the gathered keys' global positions (:func:`chunk_p
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -87,17 +101,27 @@ def _causal_mask(q_len: int, rank: int, size: int, device) -> torch.Tensor:
 
 def _attention(module, query, key, value, attention_mask, *, kernel: str, scaling=None, dropout: float = 0.0,
                **kwargs):
+    group, rank, size = _current()
+    dropout = dropout if module.training else 0.0
+    groups = getattr(module, "num_key_value_groups", 1)
+    if size > 1 and kernel == "sdpa" and dropout == 0.0 and _flash_kernels(query) is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = _ChunkedCausalAttention.apply(query, key, value, group, rank, size, scale, groups)
+        return out.transpose(1, 2).contiguous(), None
+    return _gathered_attention(module, query, key, value, kernel, scaling, dropout, group, rank, size, groups)
+
+
+def _gathered_attention(module, query, key, value, kernel, scaling, dropout, group, rank, size, groups):
+    """Attention over the gathered keys and values, masked by global position (see the module's
+    docstring: eager, and SDPA under dropout)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    group, rank, size = _current()
     if size > 1:  # [batch, heads, seq, head_dim]: the ranks' chunks along the sequence, in rank order
         key, value = _comm.gather_reduce(key, 2, group), _comm.gather_reduce(value, 2, group)
-    groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     q_len = query.shape[2]
     allowed = _causal_mask(q_len, rank, size, query.device)
-    dropout = dropout if module.training else 0.0
     if kernel == "sdpa":
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
                                                                dropout_p=dropout, scale=scaling)
@@ -110,6 +134,163 @@ def _attention(module, query, key, value, attention_mask, *, kernel: str, scalin
         weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
         out = torch.matmul(weights, value)
     return out.transpose(1, 2).contiguous(), weights
+
+
+class _FlashKernels:
+    """One device's fused flash-attention forward (output and log-sum-exp) and backward, called on
+    ``[batch, heads, seq, head_dim]`` tensors without dropout."""
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        raise NotImplementedError
+
+    def backward(self, grad_out, q, k, v, out, lse, state, causal: bool, scale: float):
+        raise NotImplementedError
+
+
+class _CpuFlash(_FlashKernels):
+    def forward(self, q, k, v, causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+
+    def backward(self, grad_out, q, k, v, out, lse, state, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+class _CudaFlash(_FlashKernels):
+    # FlashAttention-2 as torch wraps it: (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+    # rng_state, unused, debug_attn_mask); its backward takes the middle six back
+    def forward(self, q, k, v, causal, scale):
+        result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return result[0], result[1], tuple(result[2:8])
+
+    def backward(self, grad_out, q, k, v, out, lse, state, causal, scale):
+        cum_q, cum_k, max_q, max_k, rng_state, unused = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)[:3]
+
+
+def _flash_kernels(query: torch.Tensor) -> _FlashKernels | None:
+    """The fused kernels for ``query``'s device and dtype; None where there are none (a CUDA
+    tensor in fp32, or a head dimension FlashAttention-2 does not take): the gathered path then."""
+    if query.device.type == "cpu":
+        return _CpuFlash()
+    if query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16) \
+            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256:
+        return _CudaFlash()
+    return None
+
+
+def _global_order(size: int) -> list[int]:
+    """For each global chunk ``g`` of ``2 * size``, its slot in the all-gathered sequence (ranks in
+    order, each rank's two chunks as :func:`chunk_positions` gives them)."""
+    slots = []
+    for g in range(2 * size):
+        owner = g if g < size else 2 * size - 1 - g
+        slots.append(2 * owner + (0 if g < size else 1))
+    return slots
+
+
+def _reorder_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Chunk ``i`` of the result is chunk ``order[i]`` of ``x`` along the sequence (dim 2)."""
+    chunks = x.chunk(len(order), dim=2)
+    return torch.cat([chunks[i] for i in order], dim=2)
+
+
+def _merge(parts):
+    """One softmax over the union of key sets from per-part (output, log-sum-exp) pairs."""
+    acc = _accumulation_dtype(parts[0][0])
+    lse = functools.reduce(torch.logaddexp, [part_lse.to(acc) for _, part_lse in parts])
+    out = sum(o.to(acc) * torch.exp(part_lse.to(acc) - lse).unsqueeze(-1) for o, part_lse in parts)
+    return out.to(parts[0][0].dtype), lse
+
+
+def _accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    # sums of partial outputs and gradients: fp32 at least (bf16 parts), fp64 kept (the tests' ground truth)
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+class _ChunkedCausalAttention(torch.autograd.Function):
+    """Causal attention of this rank's two query chunks over the all-gathered keys (see the module's
+    docstring). Inputs are ``[batch, heads, 2 * chunk, head_dim]`` (``K``/``V`` with the key/value
+    heads); the output is the query's shape."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, rank, size, scale, groups):
+        kernels = _flash_kernels(query)
+        keys, values = (_in_global_order(t, group, size, groups) for t in (key, value))
+        chunk = query.shape[2] // 2
+        outs, lses, states = [], [], []
+        for local, g in enumerate((rank, 2 * size - 1 - rank)):
+            q = query[:, :, local * chunk:(local + 1) * chunk]
+            parts, state = [], []
+            for start, stop, causal in _key_spans(g, chunk):
+                o, lse, st = kernels.forward(q, keys[:, :, start:stop], values[:, :, start:stop], causal, scale)
+                parts.append((o, lse))
+                state.append(st)
+            out, lse = _merge(parts)
+            outs.append(out)
+            lses.append(lse)
+            states.append(state)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.meta = (group, rank, size, scale, groups, states)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        group, rank, size, scale, groups, states = ctx.meta
+        kernels = _flash_kernels(query)
+        keys, values = (_in_global_order(t, group, size, groups) for t in (key, value))
+        chunk = query.shape[2] // 2
+        grad_q = torch.empty_like(query)
+        acc = _accumulation_dtype(query)
+        grad_k, grad_v = torch.zeros_like(keys, dtype=acc), torch.zeros_like(values, dtype=acc)
+        grad_out = grad_out.contiguous()
+        for local, g in enumerate((rank, 2 * size - 1 - rank)):
+            rows = slice(local * chunk, (local + 1) * chunk)
+            q, o, do, lse_rows = query[:, :, rows], out[:, :, rows], grad_out[:, :, rows], lse[:, :, rows].contiguous()
+            dq = None
+            for (start, stop, causal), st in zip(_key_spans(g, chunk), states[local], strict=True):
+                # with the merged output and log-sum-exp, each part's backward gives its share of the
+                # whole softmax's gradients (as ring attention's backward does)
+                dq_part, dk, dv = kernels.backward(do, q, keys[:, :, start:stop], values[:, :, start:stop],
+                                                   o, lse_rows, st, causal, scale)
+                dq = dq_part.to(acc) if dq is None else dq + dq_part.to(acc)
+                grad_k[:, :, start:stop] += dk.to(acc)
+                grad_v[:, :, start:stop] += dv.to(acc)
+            grad_q[:, :, rows] = dq.to(query.dtype)
+        grad_key, grad_value = (_own_gradient(t.to(key.dtype), group, size, groups) for t in (grad_k, grad_v))
+        return grad_q, grad_key, grad_value, None, None, None, None, None
+
+
+def _key_spans(g: int, chunk: int) -> list[tuple[int, int, bool]]:
+    """The key ranges global chunk ``g``'s queries attend to, as (start, stop, causal): its own chunk
+    under the causal mask, and the chunks before it whole."""
+    spans = [(g * chunk, (g + 1) * chunk, True)]
+    if g > 0:
+        spans.append((0, g * chunk, False))
+    return spans
+
+
+def _in_global_order(local: torch.Tensor, group, size: int, groups: int) -> torch.Tensor:
+    """The whole sequence's keys (or values) in position order, repeated to the query heads."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    whole = _reorder_chunks(_comm._all_gather(local, 2, group), _global_order(size))
+    return repeat_kv(whole, groups) if groups > 1 else whole
+
+
+def _own_gradient(grad: torch.Tensor, group, size: int, groups: int) -> torch.Tensor:
+    """This rank's chunks of the keys' (or values') gradient, summed over the query-head groups and
+    the cp ranks: the conjugate of :func:`_in_global_order`."""
+    if groups > 1:
+        b, h, s, d = grad.shape
+        grad = grad.view(b, h // groups, groups, s, d).sum(2)
+    order = _global_order(size)
+    rank_order = [order.index(slot) for slot in range(2 * size)]
+    return _comm._reduce_scatter(_reorder_chunks(grad, rank_order), 2, group)
 
 
 def _sdpa(module, query, key, value, attention_mask, **kwargs):

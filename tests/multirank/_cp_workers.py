@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SEQ = 24  # 2 x cp divides it at cp 2, 3 and 4
 
 
 class _Attn(torch.nn.Module):  # what the attention function reads off the module
@@ -11,9 +14,30 @@ class _Attn(torch.nn.Module):  # what the attention function reads off the modul
     is_causal = True
 
 
-def run_attention(ctx, kernel):
+class _FlashCalls(TorchDispatchMode):
+    """Records the query-key pairs of each fused CPU flash-attention forward call (a causal call on
+    its square block computes the lower triangle) and whether any call was given a mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.pairs, self.masked = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q_len, k_len = args[0].shape[2], args[1].shape[2]
+            causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+            assert not causal or q_len == k_len
+            self.pairs += q_len * (q_len + 1) // 2 if causal else q_len * k_len
+            self.masked |= kwargs.get("attn_mask") is not None
+        return func(*args, **kwargs)
+
+
+def run_attention(ctx, kernel, dropout=0.0):
     """The cp attention function on this rank's chunk of q, k, v (K/V heads half the query heads)
-    against causal SDPA of the whole sequence (same seed on every rank): output and q/k/v gradients."""
+    against causal SDPA of the whole sequence (same seed on every rank): output and q/k/v gradients
+    (without dropout), the longest sequence among the tensors autograd saved for the backward, and
+    the query-key pairs the fused kernels computed (per batch row and head: each call does all)."""
     import torch.distributed as dist
     from transformers import AttentionInterface
 
@@ -22,7 +46,7 @@ def run_attention(ctx, kernel):
     register()
     fn = AttentionInterface()[CP_ATTENTION[kernel]]
     torch.manual_seed(0)
-    b, h, s, d = 2, 4, 12, 8
+    b, h, s, d = 2, 4, SEQ, 4  # head_dim below a rank's tokens: saved shapes tell the sequence
     q, k, v = (torch.randn(b, n, s, d, dtype=torch.float64) for n in (h, h // 2, h // 2))
     dout = torch.randn(b, s, h, d, dtype=torch.float64)
     whole = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -32,10 +56,18 @@ def run_attention(ctx, kernel):
     size, rank = ctx.world_size, ctx.rank
     rows = chunk_positions(s, rank, size)  # two chunks: an early and a late one
     local = [t[:, :, rows].clone().requires_grad_(True) for t in (q, k, v)]
-    module = _Attn().eval()
-    with context(dist.group.WORLD, rank, size):
-        out, _ = fn(module, *local, None, scaling=d ** -0.5)
+    module = _Attn().train(dropout > 0)
+    saved = []
+    calls = _FlashCalls()
+    with context(dist.group.WORLD, rank, size), calls, \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        out, _ = fn(module, *local, None, scaling=d ** -0.5, dropout=dropout)
     (out * dout[:, rows]).sum().backward()
-    return {"out": (out - ref[:, rows]).abs().max().item(),
-            **{f"grad_{n}": (a.grad - w.grad[:, :, rows]).abs().max().item()
-               for n, a, w in zip("qkv", local, whole, strict=True)}}
+    # [batch, heads, ...]: the longer of the last two dims (keys transposed for a matmul, scores)
+    result = {"saved_seq": max(max(shape[2:]) for shape in saved if len(shape) == 4),
+              "pairs": calls.pairs, "masked": calls.masked}
+    if dropout == 0:
+        result["errors"] = {"out": (out - ref[:, rows]).abs().max().item(),
+                            **{f"grad_{n}": (a.grad - w.grad[:, :, rows]).abs().max().item()
+                               for n, a, w in zip("qkv", local, whole, strict=True)}}
+    return result

@@ -7,12 +7,38 @@ from _cp_workers import run_attention
 from slapo_tune.launch import launch
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
-def test_attention_function_equals_full_causal_attention(kernel):
-    """Two ranks, each holding half the sequence: output and the q, k, v gradients of each rank's
-    chunk equal those of causal attention over the whole sequence (fp64), GQA included."""
-    for rank, res in enumerate(launch(run_attention, 2, args=(kernel,), timeout=120)):
-        assert max(res.values()) < 1e-10, (rank, res)
+@pytest.mark.parametrize("kernel,world", [("sdpa", 2), ("sdpa", 4), ("eager", 2)])
+def test_attention_function_equals_full_causal_attention(kernel, world):
+    """Each rank holding its two chunks of the sequence: output and the q, k, v gradients of each
+    rank's chunk equal those of causal attention over the whole sequence (fp64), GQA included."""
+    for rank, res in enumerate(launch(run_attention, world, args=(kernel,), timeout=120)):
+        assert max(res["errors"].values()) < 1e-10, (rank, res)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sdpa_keeps_only_the_ranks_keys_and_computes_only_the_causal_pairs(world):
+    """SDPA without dropout (the chunked flash kernels): autograd keeps nothing as long as the whole
+    sequence (only this rank's K and V, not the gathered ones), no mask is built, and the kernels
+    compute exactly the causal pairs of this rank's queries (ground truth: the lower triangle's
+    rows at the rank's positions), which the time model's attention_pairs charges. Eager attention
+    and SDPA under dropout keep the gathered keys, and compute every pair of their rows."""
+    from types import SimpleNamespace
+
+    from _cp_workers import SEQ
+
+    from slapo_tune.cost_model.analytic import attention_pairs
+    from slapo_tune.parallel._context_parallel import chunk_positions
+
+    tril = torch.ones(SEQ, SEQ).tril()
+    causal = SimpleNamespace(causal=True)
+    for rank, res in enumerate(launch(run_attention, world, args=("sdpa",), timeout=120)):
+        kept = int(tril[chunk_positions(SEQ, rank, world)].sum())
+        assert res["saved_seq"] == SEQ // world and not res["masked"], (rank, res)
+        assert res["pairs"] == kept == attention_pairs(causal, SEQ, world, True), (rank, res)
+    for kernel, dropout in (("eager", 0.0), ("sdpa", 0.5)):
+        for rank, res in enumerate(launch(run_attention, 2, args=(kernel, dropout), timeout=120)):
+            assert res["saved_seq"] == SEQ, (kernel, rank, res)
+            assert attention_pairs(causal, SEQ, 2, False) == SEQ // 2 * SEQ
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4])

@@ -315,3 +315,34 @@ def test_the_three_techniques_together_within_10_percent_of_exact_mode():
     analytic = model.memory(plan).per_stage
     errors = [analytic[s] / exact[s].total - 1 for s in sorted(exact)]
     assert max(map(abs, errors)) <= TOLERANCE, errors
+
+
+def test_a_layouts_attention_dropout_is_what_the_models_attention_trains_with():
+    """The layout's attention dropout (which decides whether context parallelism may run its fused
+    chunked kernels) equals the ``dropout`` each family's attention module passes to its attention
+    function in training (ground truth: a function registered with transformers records it)."""
+    import torch
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from slapo_tune.cost_model._layout import attention_dropout_of
+
+    passed = []
+
+    def recording(module, query, key, value, mask, dropout=0.0, **kwargs):
+        passed.append(dropout)
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, **kwargs)
+
+    AttentionInterface.register("test_recording", recording)
+    small = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    configs = [transformers.GPT2Config(attn_pdrop=0.2, n_layer=1, n_embd=32, n_head=4, vocab_size=64),
+               transformers.LlamaConfig(attention_dropout=0.3, intermediate_size=64, **small),
+               transformers.OPTConfig(attention_dropout=0.35, ffn_dim=64, word_embed_proj_dim=32, **small),
+               transformers.LlamaConfig(intermediate_size=64, **small)]
+    for config in configs:
+        config._attn_implementation = "test_recording"
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
+        passed.clear()
+        model(torch.randint(0, 64, (1, 8)))
+        assert passed and set(passed) == {attention_dropout_of(config)}, (type(config).__name__, passed)

@@ -331,10 +331,11 @@ def test_a_fused_projection_hides_its_backward_regather_and_reduce_scatter_behin
 def test_a_causal_decoders_fused_attention_is_charged_the_causal_masks_kept_pairs():
     """On a GPU, SDPA with ``is_causal`` (FlashAttention-2) skips the blocks above the diagonal: the
     attention term of a causal decoder's layout is the same layout's non-causal one times the causal
-    mask's kept entries over s^2 (ground truth: torch counts the lower triangle). Under context
-    parallelism the runtime calls SDPA with an explicit boolean mask, which no fused kernel skips
-    blocks of, and eager attention computes every score: both charged the whole rectangle. BERT's
-    encoder is not causal."""
+    mask's kept entries over s^2 (ground truth: torch counts the lower triangle), under context
+    parallelism too (its chunked flash kernels: a cp-th of those pairs per rank). Where context
+    parallelism gathers the keys (attention dropout) the runtime calls SDPA with an explicit boolean
+    mask, which no fused kernel skips blocks of, and eager attention computes every score: both
+    charged the whole rectangle. BERT's encoder is not causal."""
     import dataclasses
 
     import torch
@@ -345,11 +346,14 @@ def test_a_causal_decoders_fused_attention_is_charged_the_causal_masks_kept_pair
     problem = _gpt(24, 2048, 16, 8, 64)
     model = CostModel(problem, hardware("h100-80gb"))
     assert model.layout.causal and not preset_card("bert-base")[1].causal
-    whole = dataclasses.replace(model.layout, causal=False)
     s = problem.workload.seq_len
     kept = torch.ones(s, s, dtype=torch.bool).tril().sum().item()
-    for attn, cp, share in (("sdpa", 1, kept / s**2), ("sdpa", 2, 1.0), ("eager", 1, 1.0)):
+    # GPT-3's config trains with attention dropout 0.1 (GPT-2's default)
+    dropout, plain = model.layout, dataclasses.replace(model.layout, attention_dropout=0.0)
+    assert dropout.attention_dropout == 0.1
+    for attn, cp, share, layout in (("sdpa", 1, kept / s**2, dropout), ("sdpa", 2, kept / s**2, plain),
+                                    ("sdpa", 2, 1.0, dropout), ("eager", 1, 1.0, plain)):
         point = problem.plan(dict(attn=attn, cp=cp, dp=8 // cp))
-        causal, full = (time_terms(layout, point, model.workload, model.device)["attention"]
-                        for layout in (model.layout, whole))
-        assert causal / full == pytest.approx(share, rel=1e-12), (attn, cp)
+        causal, full = (time_terms(one, point, model.workload, model.device)["attention"]
+                        for one in (layout, dataclasses.replace(layout, causal=False)))
+        assert causal / full == pytest.approx(share, rel=1e-12), (attn, cp, layout.attention_dropout)
