@@ -69,12 +69,12 @@ class Case(NamedTuple):
     workload: Any
     weights: dict
     ratio_of_step: Callable[[float], float]
-    fsdp_host: Any  # slapo_tune.cost_model.FsdpHost: whether the run's FSDP makes the host wait per unit
+    runtime: Any  # slapo_tune.cost_model.Runtime: the run's framework's, as the time model charges it
 
 
 def published_cases(runs: list[dict]) -> list[Case]:
     """A case per published run (benchmarks/published_runs.py's configuration of it)."""
-    from benchmarks.published_runs import _spec, fsdp_host, published_point
+    from benchmarks.published_runs import _spec, published_point, runtime_of
     from slapo_tune.cost_model import CostModel, hardware
 
     out = []
@@ -86,14 +86,14 @@ def published_cases(runs: list[dict]) -> list[Case]:
         group = "other" if "runtime" in run else ("held_out" if run["held_out"] else "fitted")
         out.append(Case(run["id"], group, hw, model.layout, problem.plan(published_point(run)), model.workload,
                         model.calibration.time_weights,
-                        lambda step, t=tokens, g=run["gpus"], p=published: t / step / g / p, fsdp_host(run)))
+                        lambda step, t=tokens, g=run["gpus"], p=published: t / step / g / p, runtime_of(run)))
     return out
 
 
 def megatron_cases() -> list[Case]:
     """A case per row of Megatron-LM's Table 1 (benchmarks/paper_tables.py's configuration of it)."""
     from benchmarks.paper_tables import MEGATRON_2021_ATTN, MEGATRON_TABLE_1, _gpt_spec, megatron_flops
-    from slapo_tune.cost_model import CostModel, FsdpHost, hardware
+    from slapo_tune.cost_model import OUR_RUNTIME, CostModel, hardware
 
     hw = hardware("a100-80gb")
     out = []
@@ -106,7 +106,7 @@ def megatron_cases() -> list[Case]:
         group = "megatron_held_out" if index in HELD_OUT_MEGATRON else "megatron_fitted"
         out.append(Case(f"megatron-2021 {params}B", group, hw, model.layout, point, model.workload,
                         model.calibration.time_weights, lambda step, f=flops, g=gpus, p=published: f / step / g / 1e12 / p,
-                        FsdpHost.RUNS_AHEAD))  # no FSDP there (zero=0): nothing waits per unit
+                        OUR_RUNTIME))  # no FSDP there (zero=0); the paper states no gradient-accumulation fusion
     return out
 
 
@@ -119,7 +119,7 @@ def ratio(case: Case, constants: dict[str, float]) -> float:
     hw = dataclasses.replace(case.hardware, flops=flops, fp8_flops=2 * flops if case.hardware.fp8_flops else 0.0,
                              gemm_half_dim=constants["gemm_half_dim"],
                              overhead_per_layer=constants["overhead_per_layer"])
-    terms = time_terms(case.layout, case.point, case.workload, hw, constants["fsdp_overlap"], case.fsdp_host)
+    terms = time_terms(case.layout, case.point, case.workload, hw, constants["fsdp_overlap"], case.runtime)
     return case.ratio_of_step(weighted_time(terms, case.weights)[1])
 
 

@@ -20,11 +20,19 @@ length, the precision and the published throughput (tokens/s per GPU, and MFU). 
   orders what the experts chose from as they did; the second is the planner's claim over a
   configuration their framework could not run, which no published figure here measures.
 
-Each framework says whether its FSDP makes the host wait for the GPU once per unit (``fsdp_host``,
-with its source: llm-foundry sets FSDP1's ``limit_all_gathers``, whose rate limiter synchronizes the
-host before each unit's all-gather; Megatron-FSDP waits on streams only): the time model charges the
-host's per-block time only there (:class:`~slapo_tune.cost_model.FsdpHost`). Our runtime's FSDP2
-does not wait.
+Each framework says how its runtime differs where the time model charges it (a
+:class:`~slapo_tune.cost_model.Runtime`, each fact with its source):
+
+* whether its FSDP makes the host wait for the GPU once per unit (``fsdp_host``: llm-foundry sets
+  FSDP1's ``limit_all_gathers``, whose rate limiter synchronizes the host before each unit's
+  all-gather; Megatron-FSDP waits on streams only): the host's per-block time is charged only there
+  (:class:`~slapo_tune.cost_model.FsdpHost`);
+* how each micro-batch's weight gradients join the accumulated ones (``grad_accumulation``:
+  Megatron-Core's ``gradient_accumulation_fusion`` accumulates in the weight-gradient GEMMs, which
+  Megatron-Bridge turns on with Transformer Engine; llm-foundry's FSDP adds them in a pass of its
+  own): the pass is charged only there (:class:`~slapo_tune.cost_model.GradAccumulation`).
+
+Our runtime's FSDP2 does not wait, and autograd adds the gradients in a pass of its own.
 
 Runs marked ``held_out`` are kept aside: nothing in the cost model may be fitted to them. The
 report gives the fitted and the held-out runs apart. A run whose prediction is known to miss the
@@ -107,21 +115,25 @@ def load_runs(path: Path = DATA) -> list[dict]:
         if repository not in frameworks:
             raise ValueError(f"{run['id']}: no framework described for {repository} (add it to 'frameworks')")
         run["framework"] = frameworks[repository]
-        fsdp_host(run)  # every framework says whether its FSDP makes the host wait (a ValueError if not)
+        runtime_of(run)  # every framework says how its runtime differs (a ValueError if not)
         run["hardware_fitted"] = run["hardware"] in fitted_hardware
     return runs
 
 
-def fsdp_host(run: dict):
-    """Whether the run's framework's FSDP makes the host wait per unit (the data file's
-    ``fsdp_host``, with its source: :class:`~slapo_tune.cost_model.FsdpHost`)."""
-    from slapo_tune.cost_model import FsdpHost
+RUNTIME_FACTS = ("fsdp_host", "grad_accumulation")  # the data file's fields, each with a "<field>_source"
+
+
+def runtime_of(run: dict):
+    """The run's framework's runtime as the time model charges it (the data file's
+    ``fsdp_host`` and ``grad_accumulation``, each with its source: :class:`~slapo_tune.cost_model.Runtime`)."""
+    from slapo_tune.cost_model import FsdpHost, GradAccumulation, Runtime
 
     framework = run["framework"]
-    if "fsdp_host" not in framework or "fsdp_host_source" not in framework:
-        raise ValueError(f"{run['id']}: its framework says not whether its FSDP makes the host wait "
-                         f"(add 'fsdp_host' ({', '.join(h.value for h in FsdpHost)}) and 'fsdp_host_source')")
-    return FsdpHost(framework["fsdp_host"])
+    for fact, values in zip(RUNTIME_FACTS, (FsdpHost, GradAccumulation), strict=True):
+        if fact not in framework or f"{fact}_source" not in framework:
+            raise ValueError(f"{run['id']}: its framework does not say its runtime's {fact} (add '{fact}' "
+                             f"({', '.join(v.value for v in values)}) and '{fact}_source')")
+    return Runtime(**{fact: framework[fact] for fact in RUNTIME_FACTS})
 
 
 def _spec(run: dict):
@@ -164,14 +176,15 @@ def published_point(run: dict) -> dict:
 
 def evaluate(run: dict, rank: bool) -> dict:
     """One run: its predicted peak, throughput and MFU, and (``rank``) where plan puts it."""
-    from slapo_tune.cost_model import CostModel, FsdpHost, hardware
+    from slapo_tune.cost_model import OUR_RUNTIME, CostModel, hardware
     from slapo_tune.device import cuda_reserve
 
     hw = hardware(run["hardware"])
     budget = hw.memory - cuda_reserve(hw.memory)  # plan's and tune's default on this GPU
     problem = _spec(run).resolve()
-    # the run's own runtime: its framework's FSDP (llm-foundry's FSDP1 makes the host wait per block)
-    model = CostModel(problem, hw, fsdp_host=fsdp_host(run))
+    # the run's own runtime: its framework's (llm-foundry's FSDP1 makes the host wait per block,
+    # Megatron accumulates gradients in its GEMMs)
+    model = CostModel(problem, hw, runtime=runtime_of(run))
     point = problem.plan(published_point(run))
     memory = model.memory(point)
     timing = model.time(point)
@@ -186,7 +199,7 @@ def evaluate(run: dict, rank: bool) -> dict:
            "published_mfu": run["published"]["mfu"], "breakdown": timing.breakdown, "miss": run.get("miss")}
     if rank:
         # over every point, as plan ranks them: on our runtime (FSDP2), the published configuration too
-        ours = model if model.fsdp_host is FsdpHost.RUNS_AHEAD else CostModel(problem, hw, layout=model.layout)
+        ours = model if model.runtime == OUR_RUNTIME else CostModel(problem, hw, layout=model.layout)
         every = _plan_rank(problem, ours, budget, ours.time(point).throughput(problem.workload), [{}])
         # within one framework's layouts, its points (plan's list shows one per layout), as its
         # runtime runs them

@@ -22,11 +22,14 @@ from ..units import format_size
 from . import calibration as _calibration
 from .analytic import (
     DEFAULT_WEIGHTS,
+    OUR_RUNTIME,
     BlockActivations,
     FsdpHost,
+    GradAccumulation,
     LinearFeatures,
     MemoryPrediction,
     ModelLayout,
+    Runtime,
     StageTerms,
     TimePrediction,
     _each,
@@ -136,11 +139,12 @@ class CostModel:
     """Memory and time predictions for one problem (model, template, workload) on one device."""
 
     def __init__(self, problem: Problem, device: Hardware, calibration: Calibration | None = None,
-                 layout: ModelLayout | None = None, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD):
+                 layout: ModelLayout | None = None, runtime: Runtime = OUR_RUNTIME):
         self.problem, self.device = problem, device
-        # whether the FSDP that runs the points makes the host wait per unit: our runtime's FSDP2
-        # does not; the published-runs benchmark predicts other frameworks' runs (FSDP1) too
-        self.fsdp_host = FsdpHost(fsdp_host)
+        # the runtime that runs the points, as the time model charges it: ours by default; the
+        # published-runs benchmark predicts other frameworks' runs too (FSDP1's host waits,
+        # Megatron's gradient accumulation in its GEMMs)
+        self.runtime = runtime
         self.template, self.workload = problem.template, problem.workload
         self.layout = layout or _layout(problem)
         self.precision = self.workload.precision
@@ -516,7 +520,7 @@ class CostModel:
     # -------------------------------------------------------------------- time
     def time(self, point: Mapping[str, Any]) -> TimePrediction:
         return predict_time(self.layout, point, self.workload, self.device, self.calibration.time_weights,
-                            self.fsdp_host)
+                            self.runtime)
 
     def throughputs(self, points: Sequence[Mapping[str, Any]]):
         """``time(p).throughput(workload)`` of each of ``points`` (a numpy array), evaluated together."""
@@ -569,13 +573,13 @@ class CostModel:
     def column_throughputs(self, columns: Mapping[str, Any]):
         """:meth:`throughputs` of points given as one array per knob (:func:`~.analytic.point_columns`)."""
         steps = predict_steps(self.layout, columns, self.workload, self.device, self.calibration.time_weights,
-                              self.fsdp_host)
+                              self.runtime)
         return samples_per_second(self.workload.global_batch, steps)
 
     def calibrate_time(self, points: Iterable[Mapping[str, Any]], step_seconds: Iterable[float],
                        save: bool = True) -> Calibration:
         """Fit the time terms' weights to measured step times of ``points`` (e.g. finished trials)."""
-        samples = [(time_terms(self.layout, p, self.workload, self.device, fsdp_host=self.fsdp_host), s)
+        samples = [(time_terms(self.layout, p, self.workload, self.device, runtime=self.runtime), s)
                    for p, s in zip(points, step_seconds) if s and s > 0]
         self.calibration.time_weights = _calibration.fit_time(samples)
         self.calibration.time_points = len(samples)
@@ -661,7 +665,7 @@ def _layout(problem: Problem) -> ModelLayout:
 
 
 __all__ = [
-    "PRESETS", "Calibration", "CostModel", "FsdpHost", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
-    "PeakTracker", "TimePrediction", "Variants", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of",
+    "OUR_RUNTIME", "PRESETS", "Calibration", "CostModel", "FsdpHost", "GradAccumulation", "Hardware", "MemoryBreakdown", "MemoryPrediction", "ModelLayout",
+    "PeakTracker", "Runtime", "TimePrediction", "Variants", "Verdict", "detect_hardware", "hardware", "hardware_for", "layout_of",
     "tracked_step",
 ]

@@ -141,6 +141,40 @@ class FsdpHost(str, enum.Enum):
     WAITS_PER_UNIT = "waits-per-unit"
 
 
+class GradAccumulation(str, enum.Enum):
+    """How each micro-batch's weight gradients join the accumulated ones.
+
+    - ``SEPARATE_PASS``: the weight-gradient product writes a new gradient, and a kernel per
+      parameter adds it to the accumulated one (reads both, writes one). PyTorch autograd's
+      ``AccumulateGrad`` (our runtime), and Megatron-Core's without the fusion below.
+    - ``IN_GEMM``: the weight-gradient GEMM accumulates into the fp32 main gradient itself (its
+      epilogue reads and writes the accumulator: a compute-bound GEMM hides it): Megatron-Core's
+      ``gradient_accumulation_fusion`` (Transformer Engine's ``fuse_wgrad_accumulation``, APEX's
+      ``wgrad_gemm_accum_fp32``), which Megatron-Bridge turns on wherever Transformer Engine is
+      installed (``fusions.can_enable_gradient_accumulation_fusion``).
+    """
+
+    SEPARATE_PASS = "separate-pass"
+    IN_GEMM = "in-gemm"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a training runtime does that the time model charges: our runtime's is the default
+    (:data:`OUR_RUNTIME`); a published run's framework may differ (benchmarks/published_runs.py)."""
+
+    fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD
+    grad_accumulation: GradAccumulation = GradAccumulation.SEPARATE_PASS
+
+    def __post_init__(self):
+        # the data file's strings become the enums (a ValueError names a value that is neither)
+        object.__setattr__(self, "fsdp_host", FsdpHost(self.fsdp_host))
+        object.__setattr__(self, "grad_accumulation", GradAccumulation(self.grad_accumulation))
+
+
+OUR_RUNTIME = Runtime()  # FSDP2 (runs ahead), autograd's accumulation
+
+
 # A GPU's fused attention (SDPA: FlashAttention-2 / memory-efficient kernels) runs its FLOPs at
 # about 0.75 of a large GEMM's rate (FlashAttention-2, Dao 2023: 50-73 % of A100 peak forward and
 # backward, against ~80 % for cuBLAS GEMMs)
@@ -223,15 +257,15 @@ def point_columns(points: Iterable[Mapping[str, Any]]) -> dict[str, np.ndarray]:
 
 
 def time_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-               fsdp_overlap: float = FSDP_OVERLAP, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD) -> dict[str, float]:
+               fsdp_overlap: float = FSDP_OVERLAP, runtime: Runtime = OUR_RUNTIME) -> dict[str, float]:
     """Seconds per step of each time term (before weights) of one point (:func:`time_columns` of
     its knobs' values)."""
     point = {k: knob_value(point, k) for k in TIME_KNOBS}
-    return {k: float(v) for k, v in time_columns(layout, point, workload, hw, fsdp_overlap, fsdp_host).items()}
+    return {k: float(v) for k, v in time_columns(layout, point, workload, hw, fsdp_overlap, runtime).items()}
 
 
 def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-                 fsdp_overlap: float = FSDP_OVERLAP, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD) -> dict[str, Any]:
+                 fsdp_overlap: float = FSDP_OVERLAP, runtime: Runtime = OUR_RUNTIME) -> dict[str, Any]:
     """Seconds per step of each time term (before weights), of one point or of many at once:
     ``point`` holds a value or one array per knob of :data:`TIME_KNOBS` (:func:`point_columns`);
     the terms are then arrays of as many elements, each the float operations of that point's own
@@ -244,9 +278,10 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     products at the GEMM rate; SDPA on a GPU: a fused kernel at :data:`FLASH_EFFICIENCY`);
     ``elementwise``, the memory-bound kernels' traffic (:func:`block_traffic`) at memory bandwidth;
     ``overhead``, a fixed cost per block and micro-batch and per collective call (on a GPU, only
-    where the host waits for the device: FSDP units under ``fsdp_host`` ``WAITS_PER_UNIT``, see
-    :class:`FsdpHost`; our runtime's FSDP2 runs ahead, the default). Then
-    ``grad_accumulation`` (a pass over the stage's gradients per micro-batch) and communication:
+    where the host waits for the device: FSDP units under the ``runtime``'s ``fsdp_host``
+    ``WAITS_PER_UNIT``, see :class:`FsdpHost`; our runtime's FSDP2 runs ahead, the default). Then
+    ``grad_accumulation`` (a pass over the stage's gradients per micro-batch, none where the
+    runtime accumulates in the GEMMs: :class:`GradAccumulation`) and communication:
     ``tp_comm`` (not overlapped), ``pp_comm`` and ``dp_comm`` (on a GPU, what the runtime overlaps
     with compute is left out: a pipeline's steady-state sends, FSDP's prefetched gathers and
     reductions after the first and before the last, but for ``1 - fsdp_overlap`` of them:
@@ -254,7 +289,7 @@ def time_columns(layout: ModelLayout, point: Mapping[str, Any], workload: Worklo
     """
     step = _step_of(layout, point, workload, hw)
     compute, attention, elementwise, overhead, grad_accumulation = _compute_terms(layout, point, workload, hw, step,
-                                                                                  fsdp_host)
+                                                                                  runtime)
     tp_comm, dp_comm, pp_comm = _communication_terms(layout, point, hw, step, (compute, attention, elementwise),
                                                      fsdp_overlap)
     return {"compute": compute, "attention": attention, "elementwise": elementwise, "overhead": overhead,
@@ -359,7 +394,7 @@ def attention_pairs(layout: ModelLayout, s: int, cp: Any, chunked: Any = True) -
 
 
 def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-                   step: _Step, fsdp_host: FsdpHost) -> tuple[Any, Any, Any, Any, Any]:
+                   step: _Step, runtime: Runtime) -> tuple[Any, Any, Any, Any, Any]:
     """:func:`time_columns`' compute, attention, elementwise, overhead and grad_accumulation."""
     tp, cp, b, s, B, m, sp = step.tp, step.cp, step.b, step.s, step.B, step.m, step.sp
     gpu, per_stage, ckpt, tokens, world, bandwidth = step.gpu, step.per_stage, step.ckpt, step.tokens, step.world, \
@@ -395,13 +430,14 @@ def _compute_terms(layout: ModelLayout, point: Mapping[str, Any], workload: Work
     # rate limiter, FsdpHost.WAITS_PER_UNIT; ZeRO-2 and 3 there: a unit per block) makes it wait:
     # once per block, its hooks before and after each forward and backward
     calls = choose(tp > 1, choose(sp, 5, 2), 0)
-    waits = fsdp_host is FsdpHost.WAITS_PER_UNIT
+    waits = runtime.fsdp_host is FsdpHost.WAITS_PER_UNIT
     per_block = (choose(level >= 2, 1, 0) if waits else 0) if gpu else 1 + calls
     overhead = slots * per_stage * hw.overhead_per_layer * per_block
     # every micro-batch's backward writes a gradient for each of the stage's parameters and adds
     # it to the accumulated one: a pass over the stage's parameters that smaller micro-batches
-    # repeat more often
-    grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if hw.memory_bandwidth else 0.0
+    # repeat more often (none where the weight-gradient GEMMs accumulate: GradAccumulation.IN_GEMM)
+    separate = runtime.grad_accumulation is GradAccumulation.SEPARATE_PASS
+    grad_accumulation = m * 3 * stage_params * GRAD_BYTES / bandwidth if hw.memory_bandwidth and separate else 0.0
     return compute, attention, elementwise, overhead, grad_accumulation
 
 
@@ -496,17 +532,15 @@ def weighted_time(terms: Mapping[str, Any], weights: Mapping[str, float] | None 
 
 
 def predict_time(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, hw: Hardware,
-                 weights: Mapping[str, float] | None = None, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD
-                 ) -> TimePrediction:
-    breakdown, step = weighted_time(time_terms(layout, point, workload, hw, fsdp_host=fsdp_host), weights)
+                 weights: Mapping[str, float] | None = None, runtime: Runtime = OUR_RUNTIME) -> TimePrediction:
+    breakdown, step = weighted_time(time_terms(layout, point, workload, hw, runtime=runtime), weights)
     return TimePrediction(step, breakdown)
 
 
 def predict_steps(layout: ModelLayout, points: Mapping[str, np.ndarray], workload: Workload, hw: Hardware,
-                  weights: Mapping[str, float] | None = None, fsdp_host: FsdpHost = FsdpHost.RUNS_AHEAD
-                  ) -> np.ndarray:
+                  weights: Mapping[str, float] | None = None, runtime: Runtime = OUR_RUNTIME) -> np.ndarray:
     """:func:`predict_time`'s step seconds of many points at once (``points``: :func:`point_columns`)."""
-    return weighted_time(time_columns(layout, points, workload, hw, fsdp_host=fsdp_host), weights)[1]
+    return weighted_time(time_columns(layout, points, workload, hw, runtime=runtime), weights)[1]
 
 
 def model_flops_per_step(layout: ModelLayout, workload: Workload) -> float:

@@ -9,7 +9,15 @@ import textwrap
 
 import pytest
 
-from slapo_tune.cost_model import CostModel, FsdpHost, Hardware, hardware
+from slapo_tune.cost_model import (
+    OUR_RUNTIME,
+    CostModel,
+    FsdpHost,
+    GradAccumulation,
+    Hardware,
+    Runtime,
+    hardware,
+)
 from slapo_tune.problem import ProblemSpec
 
 
@@ -48,8 +56,8 @@ def test_only_an_fsdp_that_waits_per_unit_pays_the_hosts_per_block_time(llama, z
     without units that free; every other term is the same under both."""
     hw = hardware("h100-80gb")
     point = llama.plan(dict(tp=1, pp=1, zero=zero, micro_batch=2, ckpt_ratio=0.0))
-    ahead, waits = CostModel(llama, hw), CostModel(llama, hw, fsdp_host=FsdpHost.WAITS_PER_UNIT)
-    assert ahead.fsdp_host is FsdpHost.RUNS_AHEAD
+    ahead, waits = CostModel(llama, hw), CostModel(llama, hw, runtime=Runtime(fsdp_host=FsdpHost.WAITS_PER_UNIT))
+    assert ahead.runtime.fsdp_host is FsdpHost.RUNS_AHEAD
     a, w = ahead.time(point).breakdown, waits.time(point).breakdown
     micro_batches = 32 // (8 * 2)
     expected = 4 * micro_batches * hw.overhead_per_layer if zero >= 2 else 0.0
@@ -68,6 +76,26 @@ def test_a_cpu_pays_its_per_block_time_whatever_the_fsdp(llama):
     cpu = Hardware("cpu", memory=2**34, flops=1e11, intra_bandwidth=1e9, inter_bandwidth=1e9, cores=2,
                    overhead_per_layer=4e-4)
     point = llama.plan(dict(tp=1, pp=1, zero=3, micro_batch=2, ckpt_ratio=0.0))
-    terms = {host: time_terms(CostModel(llama, cpu).layout, point, llama.workload, cpu, fsdp_host=host)["overhead"]
-             for host in FsdpHost}
+    terms = {host: time_terms(CostModel(llama, cpu).layout, point, llama.workload, cpu,
+                              runtime=Runtime(fsdp_host=host))["overhead"] for host in FsdpHost}
     assert terms[FsdpHost.RUNS_AHEAD] == terms[FsdpHost.WAITS_PER_UNIT] > 0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_a_runtime_accumulating_in_its_gemms_pays_no_accumulation_pass(llama, zero):
+    """Our runtime (autograd's AccumulateGrad) pays a pass over the stage's gradients per
+    micro-batch; a runtime whose weight-gradient GEMMs accumulate (Megatron's
+    gradient_accumulation_fusion) pays none, and every other term is the same. A data file's
+    string names the setting; a misspelt one is refused."""
+    hw = hardware("h100-80gb")
+    point = llama.plan(dict(tp=1, pp=1, zero=zero, micro_batch=1, ckpt_ratio=0.0))
+    ours = CostModel(llama, hw)
+    fused = CostModel(llama, hw, runtime=Runtime(grad_accumulation="in-gemm"))
+    assert ours.runtime == OUR_RUNTIME and fused.runtime.grad_accumulation is GradAccumulation.IN_GEMM
+    a, f = ours.time(point).breakdown, fused.time(point).breakdown
+    assert a["grad_accumulation"] > 0 == f["grad_accumulation"]
+    assert {k: v for k, v in a.items() if k != "grad_accumulation"} == \
+        {k: v for k, v in f.items() if k != "grad_accumulation"}
+    assert float(fused.throughputs([point])[0]) == pytest.approx(fused.time(point).throughput(llama.workload))
+    with pytest.raises(ValueError, match="in_gemm"):
+        Runtime(grad_accumulation="in_gemm")
