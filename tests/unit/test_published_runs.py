@@ -96,7 +96,8 @@ def test_nvidias_runs_are_planned_as_their_cited_settings_name(runs):
 def test_runs_on_a_gpu_no_fitted_run_used_are_summarised_apart(runs):
     """The B200 preset's rates are the H100's share of its datasheet peak, which no fitted run
     checked: its NVIDIA rows get a summary of their own, the H100 ones stay with the others of their
-    runtime, and every row is summarised once."""
+    runtime, and every row is summarised once (and once more among every held-out run on a validated
+    GPU)."""
     assert not any(r["hardware_fitted"] for r in runs if r["hardware"] == "b200")
     assert all(r["hardware_fitted"] for r in runs if r["hardware"] == "h100-80gb")
     rows = [{"id": r["id"], "held_out": r["held_out"], "other_runtime": "runtime" in r,
@@ -106,7 +107,8 @@ def test_runs_on_a_gpu_no_fitted_run_used_are_summarised_apart(runs):
     assert b200 and got["other_runtime_unvalidated"] == b200
     assert got["other_runtime"] == {r["id"] for r in runs if "runtime" in r and r["hardware"] == "h100-80gb"}
     assert got["fitted"] == {r["id"] for r in runs if not r["held_out"]}
-    assert sum(map(len, got.values())) == len(runs)
+    assert got["all_held_out"] == got["held_out"] | got["other_runtime"]
+    assert sum(len(ids) for name, ids in got.items() if name != "all_held_out") == len(runs)
 
 
 def test_each_published_point_lies_in_its_frameworks_space(runs):
@@ -173,3 +175,14 @@ def test_the_rank_counts_only_points_predicted_to_fit(monkeypatch):
     assert got["rank"] == 2 and got["plan_best"] == {"tp": 4} and got["best_over_published"] == pytest.approx(1.2)
     # slower than every point listed, still within the first 10: its place, not "not listed"
     assert published_runs._plan_rank(Problem(), None, 80, 5.0, [{}])["rank"] == 3
+
+
+def test_the_one_yardstick_spearman_ranks_published_speeds_at_our_flop_count():
+    """Published MFUs that count FLOPs another way can reverse the order of runs the published speeds
+    give: at our FLOP count (predicted MFU over the ratio) the ranking follows the speeds."""
+    rows = [{"ratio": ratio, "predicted_mfu": mfu, "published_mfu": published, "fits": True, "kept": True}
+            for ratio, mfu, published in ((1.0, 0.5, 0.7), (0.5, 0.6, 0.6), (1.0, 0.7, 0.5))]
+    got = published_runs.summarise(rows)
+    # published at our count: 0.5, 1.2, 0.7 against predicted 0.5, 0.6, 0.7
+    assert got["spearman_mfu"] == pytest.approx(-1.0)
+    assert got["spearman_mfu_one_count"] == pytest.approx(0.5)
