@@ -467,6 +467,11 @@ NAMED = (
              "if hw.memory_bandwidth and separate else 0.0", "if hw.memory_bandwidth else 0.0",
              ("tests/unit/test_fsdp_host.py::test_a_runtime_accumulating_in_its_gemms_pays_no_accumulation_pass",
               "tests/unit/test_time_model.py::test_published_runs_fit_and_are_predicted_within_15_percent")),
+    Mutation("the CUDA flash backward gets the forward's sequence lengths swapped",
+             "slapo_tune/parallel/_context_parallel.py", "cum_q, cum_k, max_q, max_k, 0.0, causal,",
+             "cum_q, cum_k, max_k, max_q, 0.0, causal,",
+             ("tests/multirank/test_context_parallel.py::"
+              "test_the_cuda_flash_calls_match_torchs_schemas_and_give_the_same_attention",)),
     Mutation("a template overriding the old name plan() is sharded by its base's plan", "slapo_tune/template.py",
              '            cls.tensor_parallel_plan = cls.__dict__["plan"]', "            pass",
              ("tests/unit/test_space.py::test_a_template_overriding_the_old_plan_name_is_sharded_by_its_override_with_a_deprecation_warning",)),

@@ -71,3 +71,56 @@ def run_attention(ctx, kernel, dropout=0.0):
                             **{f"grad_{n}": (a.grad - w.grad[:, :, rows]).abs().max().item()
                                for n, a, w in zip("qkv", local, whole, strict=True)}}
     return result
+
+
+def _bind(op, args, kwargs) -> dict:
+    """``args`` and ``kwargs`` bound to the names of ``op``'s real schema, each checked against its
+    declared type (positional ones where the schema has them, every argument without a default given)."""
+    schema = op.default._schema
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    assert len(args) <= len(positional), (schema.name, len(args))
+    bound = {a.name: value for a, value in zip(positional, args)}
+    assert not set(kwargs) - {a.name for a in schema.arguments if a.kwarg_only}, (schema.name, kwargs)
+    bound.update(kwargs)
+    kinds = {"Tensor": torch.Tensor, "float": float, "bool": bool, "int": int, "Optional[float]": (float, type(None))}
+    for a in schema.arguments:
+        assert a.name in bound or a.has_default_value(), (schema.name, a.name)
+        if a.name in bound:
+            assert isinstance(bound[a.name], kinds[str(a.type)]), (schema.name, a.name, type(bound[a.name]))
+    return bound
+
+
+def run_cuda_kernels_on_cpu(ctx):
+    """The CUDA flash path's calls, made on CPU tensors: torch's CUDA flash-attention ops replaced
+    by stand-ins that bind every call to the real ops' schemas and compute with the CPU kernels
+    (the state the forward returns must come back to the backward unchanged). Output and gradients
+    against causal SDPA of the whole sequence, as :func:`run_attention`."""
+    from slapo_tune.parallel import _context_parallel as cp
+
+    forward_op = torch.ops.aten._scaled_dot_product_flash_attention
+    backward_op = torch.ops.aten._scaled_dot_product_flash_attention_backward
+    issued = {}
+
+    def forward(*args, **kwargs):
+        b = _bind(forward_op, args, kwargs)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            b["query"], b["key"], b["value"], b["dropout_p"], b["is_causal"], scale=b.get("scale"))
+        state = (torch.zeros(1), torch.zeros(1), b["query"].shape[2], b["key"].shape[2], torch.zeros(2), torch.zeros(1))
+        issued[id(state[0])] = state
+        return (out, lse, *state, torch.empty(0))
+
+    def backward(*args, **kwargs):
+        b = _bind(backward_op, args, kwargs)
+        state = issued[id(b["cum_seq_q"])]
+        assert (b["cum_seq_k"], b["max_q"], b["max_k"], b["philox_seed"], b["philox_offset"]) == state[1:]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            b["grad_out"], b["query"], b["key"], b["value"], b["out"], b["logsumexp"], b["dropout_p"],
+            b["is_causal"], scale=b.get("scale"))
+
+    # (this spawned rank's own torch: nothing else sees the stand-ins)
+    torch.ops.aten._scaled_dot_product_flash_attention = forward
+    torch.ops.aten._scaled_dot_product_flash_attention_backward = backward
+    cp._flash_kernels = lambda query: cp._CudaFlash()
+    result = run_attention(ctx, "sdpa")
+    result["calls"] = len(issued)
+    return result

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _cp_workers import run_attention
+from _cp_workers import run_attention, run_cuda_kernels_on_cpu
 
 from slapo_tune.launch import launch
 
@@ -13,6 +13,16 @@ def test_attention_function_equals_full_causal_attention(kernel, world):
     rank's chunk equal those of causal attention over the whole sequence (fp64), GQA included."""
     for rank, res in enumerate(launch(run_attention, world, args=(kernel,), timeout=120)):
         assert max(res["errors"].values()) < 1e-10, (rank, res)
+
+
+def test_the_cuda_flash_calls_match_torchs_schemas_and_give_the_same_attention():
+    """The CUDA path (FlashAttention-2 through torch's aten ops), run on CPU tensors: every call
+    binds to the real ops' schemas (names, positions, types), the state each forward returns comes
+    back to its backward, and output and gradients equal causal attention over the whole sequence."""
+    for rank, res in enumerate(launch(run_cuda_kernels_on_cpu, 2, timeout=120)):
+        # a forward per key span: each chunk's own, and the earlier chunks' where there are any
+        spans = sum(1 + (g > 0) for g in (rank, 3 - rank))
+        assert res["calls"] == spans and max(res["errors"].values()) < 1e-10, (rank, res)
 
 
 @pytest.mark.parametrize("world", [2, 4])
