@@ -435,6 +435,12 @@ NAMED = (
              "slapo_tune/parallel/_send_release.py", "STEADY_ROUNDS = 3", "STEADY_ROUNDS = 1",
              ("tests/multirank/test_send_release.py::"
               "test_the_bound_read_at_three_rounds_is_the_bound_walked_over_every_round",)),
+    Mutation("the send bound's walk keeps, for a receive to read, a sender's clock that its later actions move on",
+             "slapo_tune/parallel/_send_release.py", "sent_with[r][at] = clock.copy()", "sent_with[r][at] = clock",
+             ("tests/unit/test_send_bound.py::test_the_bound_is_the_proofs_walked_over_the_whole_step",)),
+    Mutation("the send bound leaves the garbage collector off after torch's lowering",
+             "slapo_tune/parallel/_send_release.py", "            gc.enable()", "            pass",
+             ("tests/unit/test_send_bound.py::test_the_bound_leaves_the_garbage_collector_as_it_found_it",)),
     Mutation("a template overriding the old name plan() is sharded by its base's plan", "slapo_tune/template.py",
              '            cls.tensor_parallel_plan = cls.__dict__["plan"]', "            pass",
              ("tests/unit/test_space.py::test_a_template_overriding_the_old_plan_name_is_sharded_by_its_override_with_a_deprecation_warning",)),
