@@ -134,9 +134,11 @@ class SendProof:
 
 
 # Rounds of pp micro-batches after which the bound stops changing: the steady state repeats round
-# by round, and a rank's unproven sends span less than two rounds (checked from torch's own lists
-# for pp 2-8, vpp 2-5, 3-8 rounds, both schedules: tests/multirank/test_send_release.py)
-STEADY_ROUNDS = 3
+# by round, and two rounds already give a longer step's bound on every rank (checked against the
+# proof walked over the whole step, both schedules: pp 2-8, vpp 1-4, up to four rounds in
+# tests/unit/test_send_bound.py, more rounds and pp 9-16 in its slow test; the shapes of the 1T plan on 3,072
+# ranks and of 175B on 1,024, pp up to 64, at three and four rounds when this was set)
+STEADY_ROUNDS = 2
 
 
 def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, schedule: str = "1f1b") -> int:

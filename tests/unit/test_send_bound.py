@@ -46,9 +46,10 @@ def test_the_bound_is_the_proofs_walked_over_the_whole_step(schedule, pp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("pp, vpp, rounds", [(pp, vpp, 5) for pp in range(9, 13) for vpp in (2, 3, 4, 6)]
+@pytest.mark.parametrize("pp, vpp, rounds", [(2, 2, 6), (4, 3, 8), (3, 5, 4), (8, 5, 5)]
+                         + [(pp, vpp, 5) for pp in range(9, 13) for vpp in (2, 3, 4, 6)]
                          + [(16, vpp, 3) for vpp in (2, 4)])
-def test_the_bound_past_two_rounds_is_the_proofs_on_wider_pipelines(schedule, pp, vpp, rounds):
+def test_the_bound_past_two_rounds_is_the_proofs_on_longer_steps_and_wider_pipelines(schedule, pp, vpp, rounds):
     from slapo_tune.parallel._send_release import pending_gradient_sends
 
     for m in (pp, 2 * pp, rounds * pp):
