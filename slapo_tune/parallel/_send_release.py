@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import heapq
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 # The action kinds of torch's lowered schedules this knows; anything else (a V-schedule's
 # same-rank hand-off, overlapped F/B pairs) turns the release off for the step
@@ -62,15 +66,22 @@ def _matching_receive(send: tuple[int, str, int], stage_to_rank: Mapping[int, in
     return stage_to_rank[stage - 1], (stage - 1, "RECV_B", mb)
 
 
+def _known_kinds(orders: Mapping[int, Sequence[Any]]) -> dict[int, list[str]]:
+    """Each rank's action kinds, in order; a ValueError where one is not of :data:`_KNOWN`."""
+    kinds = {rank: [_kind(a) for a in actions] for rank, actions in orders.items()}
+    for rank, of_rank in kinds.items():
+        unknown = set(of_rank) - _KNOWN
+        if unknown:
+            raise ValueError(f"rank {rank}'s schedule has actions {sorted(unknown)} the send release does not know")
+    return kinds
+
+
 class SendProof:
     """What every rank knows after each of its actions (its vector clock: the index in each rank's
     action list that rank has provably passed), from the lowered action lists of every rank."""
 
     def __init__(self, orders: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]):
-        for rank, actions in orders.items():
-            unknown = {_kind(a) for a in actions} - _KNOWN
-            if unknown:
-                raise ValueError(f"rank {rank}'s schedule has actions {sorted(unknown)} the send release does not know")
+        _known_kinds(orders)
         self.orders, self.stage_to_rank = orders, stage_to_rank
         ranks = sorted(orders)
         self.ranks = ranks
@@ -123,9 +134,11 @@ class SendProof:
 
 
 # Rounds of pp micro-batches after which the bound stops changing: the steady state repeats round
-# by round, and a rank's unproven sends span less than two rounds (checked from torch's own lists
-# for pp 2-8, vpp 2-5, 3-8 rounds, both schedules: tests/multirank/test_send_release.py)
-STEADY_ROUNDS = 3
+# by round, and two rounds already give a longer step's bound on every rank (checked against the
+# proof walked over the whole step, both schedules: pp 2-8, vpp 1-4, up to four rounds in
+# tests/unit/test_send_bound.py, more rounds and pp 9-16 in its slow test; the shapes of the 1T plan on 3,072
+# ranks and of 175B on 1,024, pp up to 64, at three and four rounds when this was set)
+STEADY_ROUNDS = 2
 
 
 def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, schedule: str = "1f1b") -> int:
@@ -141,12 +154,85 @@ def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, sc
 
 @functools.cache
 def _bounds(pp: int, vpp: int, n_microbatches: int, schedule: str) -> tuple[int, ...]:
-    """:func:`pending_gradient_sends` of every rank, from one proof over torch's action lists."""
+    """:func:`pending_gradient_sends` of every rank, from one walk over torch's action lists."""
     from torch.distributed.pipelining import schedules
 
     cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zb" else schedules.ScheduleInterleaved1F1B
-    proof = SendProof(*_lowered_orders(cls, pp, vpp, n_microbatches))
-    return tuple(proof.pending_gradient_sends(rank) for rank in range(pp))
+    with _collector_paused():
+        return _pending_bounds(*_lowered_orders(cls, pp, vpp, n_microbatches))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a while. torch's lowering makes some 10^5 action tuples
+    a shape, none in a cycle (reference counting frees them), and each batch of them set off a
+    collection that walks the caller's objects too: about a quarter of the lowering's time."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _pending_bounds(orders: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]) -> tuple[int, ...]:
+    """:meth:`SendProof.pending_gradient_sends` of every rank in order, by the same walk keeping less:
+    a rank's clock only at its sends (all a receive reads), and its unproven gradient sends as a
+    heap per peer of where their receives sit in that peer's list. A rank's knowledge only grows,
+    so a send proven once stays proven: each leaves the heap once, where the proof re-tests every
+    held send at every action."""
+    kinds = _known_kinds(orders)
+    ranks = sorted(orders)
+    slot = {r: i for i, r in enumerate(ranks)}
+    n_stages = len(stage_to_rank)
+    sends: dict[int, dict[tuple[int, str, int], int]] = {r: {} for r in ranks}
+    receives: dict[int, dict[tuple[int, str, int], int]] = {r: {} for r in ranks}
+    for r in ranks:
+        for i, (action, kind) in enumerate(zip(orders[r], kinds[r], strict=True)):
+            if kind in ("SEND_F", "SEND_B"):
+                sends[r][(action.stage_index, kind, action.microbatch_index)] = i
+            elif kind == "RECV_B":
+                receives[r][(action.stage_index, kind, action.microbatch_index)] = i
+    sent_with: dict[int, dict[int, np.ndarray]] = {r: {} for r in ranks}  # a send's index -> the clock then
+    position = dict.fromkeys(ranks, 0)
+    known = {r: np.full(len(ranks), -1, dtype=np.int64) for r in ranks}
+    held: dict[int, dict[int, list[int]]] = {r: {} for r in ranks}  # peer -> its receives' indices
+    count, most = dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+    moved = True
+    while moved:  # every rank as far as its receives allow, until all are done
+        moved = False
+        for r in ranks:
+            actions, kinds_r, at, clock, heaps = orders[r], kinds[r], position[r], known[r], held[r]
+            while at < len(actions):
+                action, kind = actions[at], kinds_r[at]
+                got = _receipt(action, stage_to_rank, n_stages, r) if kind in ("F", "B", "I") else None
+                if got is not None:
+                    peer, stage, sent = got
+                    j = sends[peer][(stage, sent, action.microbatch_index)]
+                    if position[peer] <= j:
+                        break
+                    np.maximum(clock, sent_with[peer][j], out=clock)
+                clock[slot[r]] = at
+                if kind in ("SEND_F", "SEND_B"):
+                    sent_with[r][at] = clock.copy()
+                if kind == "SEND_B":
+                    peer, key = _matching_receive((action.stage_index, kind, action.microbatch_index), stage_to_rank)
+                    heapq.heappush(heaps.setdefault(peer, []), receives[peer][key])
+                    count[r] += 1
+                if count[r]:
+                    for peer, heap in heaps.items():
+                        while heap and heap[0] <= clock[slot[peer]]:
+                            heapq.heappop(heap)
+                            count[r] -= 1
+                    most[r] = max(most[r], count[r])
+                at += 1
+                moved = True
+            position[r] = at
+    stuck = [r for r in ranks if position[r] < len(orders[r])]
+    if stuck:
+        raise ValueError(f"the schedule's receives cannot all be matched (ranks {stuck} wait forever)")
+    return tuple(most[r] for r in ranks)
 
 
 def _lowered_orders(cls: type, pp: int, vpp: int, m: int) -> tuple[dict[int, list[Any]], dict[int, int]]:

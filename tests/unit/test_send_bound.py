@@ -1,0 +1,72 @@
+"""The pipeline send bound the cost model reads (:func:`~slapo_tune.parallel._send_release.pending_gradient_sends`:
+a walk of torch's action lists keeping only what the bound needs, two rounds of micro-batches at
+most) is, on every rank, what the runtime's proof (:class:`~slapo_tune.parallel._send_release.SendProof`)
+gives walked over the whole step of torch's lowering."""
+
+import gc
+
+import pytest
+
+from slapo_tune._partition import interleaved_microbatches_ok
+
+pytest.importorskip("torch")
+
+SCHEDULES = ("1f1b", "zb")
+
+
+def _proof_bounds(pp: int, vpp: int, m: int, schedule: str) -> list[int]:
+    """The ground truth: the runtime's proof over torch's whole lowered step, rank by rank."""
+    from torch.distributed.pipelining import schedules
+
+    from slapo_tune.parallel._send_release import SendProof, _lowered_orders
+
+    cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zb" else schedules.ScheduleInterleaved1F1B
+    proof = SendProof(*_lowered_orders(cls, pp, vpp, m))
+    return [proof.pending_gradient_sends(rank) for rank in range(pp)]
+
+
+def _microbatches(pp: int, most: int) -> list[int]:
+    """Every micro-batch count torch's interleaved schedules run on ``pp`` ranks, from ``pp`` to
+    ``most`` (whole rounds of ``pp``, and the uneven rounds it allows between them)."""
+    return [m for m in range(pp, most + 1) if interleaved_microbatches_ok(m, pp)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_the_bound_is_the_proofs_walked_over_the_whole_step(schedule, pp):
+    """pp 2-8, vpp 1-4, every micro-batch count torch runs up to four rounds (whole rounds
+    beyond the second are not walked by the bound): the bound of every rank is the proof's."""
+    from slapo_tune.parallel._send_release import pending_gradient_sends
+
+    for vpp in range(1, 5):
+        for m in _microbatches(pp, 4 * pp):
+            assert [pending_gradient_sends(pp, vpp, m, r, schedule) for r in range(pp)] == \
+                _proof_bounds(pp, vpp, m, schedule), (pp, vpp, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp, vpp, rounds", [(2, 2, 6), (4, 3, 8), (3, 5, 4), (8, 5, 5)]
+                         + [(pp, vpp, 5) for pp in range(9, 13) for vpp in (2, 3, 4, 6)]
+                         + [(16, vpp, 3) for vpp in (2, 4)])
+def test_the_bound_past_two_rounds_is_the_proofs_on_longer_steps_and_wider_pipelines(schedule, pp, vpp, rounds):
+    from slapo_tune.parallel._send_release import pending_gradient_sends
+
+    for m in (pp, 2 * pp, rounds * pp):
+        assert [pending_gradient_sends(pp, vpp, m, r, schedule) for r in range(pp)] == \
+            _proof_bounds(pp, vpp, m, schedule), (pp, vpp, m)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_bound_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """(It pauses the collector while torch lowers the schedule.)"""
+    from slapo_tune.parallel._send_release import _bounds
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        _bounds.cache_clear()
+        _bounds(3, 2, 6, "1f1b")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
