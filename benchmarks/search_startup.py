@@ -1,8 +1,14 @@
 """How long ``tune``'s default strategy (``guided``, and ``model``) takes to propose its first
-point on a large model's space: it ranks every point of the space by the cost model, at once
-(:meth:`CostModel.predictions`). Beside it, in the same process, the per-point path it replaced
-(each point's verdict, memory and time predicted one at a time): timed on a seeded sample of the
-space's points and scaled to all of them. Nothing is launched (a replay runner with no trials).
+point on a large model's space: the tuner built, its study opened (the baseline recorded: the
+default made to fit, the nearest fitting points predicted by the number of knobs changed), and the
+points that may fit ranked, found and predicted as ``plan`` ranks a space
+(``ranking.fitting_points``: the millions of others are not listed). The baseline made to fit is
+checked by the analytic verdict (``prune="analytic"``): exact mode checks it by a fake step of each
+candidate, which for this model takes from a quarter of a minute (one stage) to hours (its sixth
+candidate on 64 ranks: 64 stages of 1,536 micro-batches), exact mode's cost, not the ranking's.
+Beside it, in the same process, the per-point path the ranking replaced (each point's verdict,
+memory and time predicted one at a time): timed on a seeded sample of the space's points and
+scaled to all of them. Nothing is launched (a replay runner with no trials).
 Run: ``python -m benchmarks.search_startup [--rounds 3]``.
 """
 
@@ -28,8 +34,9 @@ SAMPLE = 1000  # points timed one at a time (the per-point path), scaled to the 
 
 
 def first_point(model: str, world: int, global_batch: int) -> dict:
-    """Seconds to the default strategy's first point (the tuner built, the space predicted and
-    ranked), and the per-point path's seconds for the same space, estimated from :data:`SAMPLE`."""
+    """Seconds to the default strategy's first point (the tuner built, its baseline recorded, the
+    points that may fit found, predicted and ranked), and the per-point path's seconds for the same
+    space, estimated from :data:`SAMPLE` points drawn uniformly."""
     from pathlib import Path
 
     from runners.replay import ReplayRunner
@@ -39,21 +46,22 @@ def first_point(model: str, world: int, global_batch: int) -> dict:
     spec = ProblemSpec(model, world, global_batch=global_batch, seq_len=2048, memory_budget=80 * 2**30,
                        device="cuda")
     started = time.perf_counter()
-    tuner = Tuner(TuneConfig(problem=spec, out=Path("unused"), trials=1, storage="memory", hardware="h100-80gb"),
-                  ReplayRunner([]), write_outputs=False)
+    tuner = Tuner(TuneConfig(problem=spec, out=Path("unused"), trials=1, storage="memory", hardware="h100-80gb",
+                             prune="analytic"), ReplayRunner([]), write_outputs=False)
     sampler = getattr(tuner.sampler, "strategy", tuner.sampler)
     point = sampler.next_point(tuner._known(tuner.study))
     batched = time.perf_counter() - started
-    points = sampler._tables()["points"]
-    sample = random.Random(0).sample(points, min(SAMPLE, len(points)))
+    count = tuner.space.count()
+    chosen = set(random.Random(0).sample(range(count), min(SAMPLE, count)))  # by index: the space is not listed
+    sample = [p for i, p in enumerate(tuner.space.enumerate()) if i in chosen]
     budget = tuner.config.memory_budget
     started = time.perf_counter()
     for p in sample:  # what each point cost before: its verdict and throughput, then its peak again
         if tuner.cost.verdict(p, budget).fits:
             tuner.cost.time(p).throughput(tuner.workload)
         tuner.cost.memory(p)
-    per_point = (time.perf_counter() - started) / len(sample) * len(points)
-    return {"points": len(points), "first_point_s": batched, "per_point_estimate_s": per_point,
+    per_point = (time.perf_counter() - started) / len(sample) * count
+    return {"points": count, "first_point_s": batched, "per_point_estimate_s": per_point,
             "first_point": point}
 
 

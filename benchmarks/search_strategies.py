@@ -120,11 +120,16 @@ def replay_tuner(strategy: str, seed: int, prune: str, results: list, budget: in
     if perturb:
         wrong = perturbation(seed)
 
+        def misled(predicted, points):
+            return dataclasses.replace(predicted, throughputs=predicted.throughputs * np.array([wrong(p) for p in points]))
+
         class Misled(Tuner):
             def _predictions(self, points):
-                predicted = super()._predictions(points)
-                return dataclasses.replace(predicted, throughputs=predicted.throughputs
-                                           * np.array([wrong(p) for p in points]))
+                return misled(super()._predictions(points), points)
+
+            def _fitting(self):
+                found = super()._fitting()
+                return dataclasses.replace(found, predictions=misled(found.predictions, found.points))
 
         tuner_class = Misled
     return tuner_class(TuneConfig(**{**settings, **config}), runner, report=report, sampler=sampler,

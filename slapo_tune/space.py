@@ -121,6 +121,33 @@ class Space:
             raise UsageError(f"a prefix must give the first knobs in order ({', '.join(self.names)})")
         return self._walk(point, start)
 
+    def differing(self, point: Mapping[str, Any], changes: int) -> Iterator[Point]:
+        """Every legal point that differs from ``point`` in exactly ``changes`` of its knobs (a knob
+        it does not give never counts), in :meth:`enumerate`'s order, without walking the others:
+        a branch is left once it differs in more, or once too few of ``point``'s knobs are left to
+        differ in as many (the points nearest a default, from a space of millions)."""
+        names = self.names
+        # of point's knobs, how many come at or after each knob
+        after = [sum(name in point for name in names[i:]) for i in range(len(names) + 1)]
+
+        def walk(current: Point, index: int, left: int) -> Iterator[Point]:
+            if left > after[index]:
+                return
+            if index == len(self.knobs):
+                if self._violation(current) is None:
+                    yield dict(current)
+                return
+            knob = self.knobs[index]
+            for value in knob.raw(current):
+                differs = knob.name in point and value != point[knob.name]
+                if differs > left:
+                    continue
+                current[knob.name] = value
+                yield from walk(current, index + 1, left - differs)
+            current.pop(knob.name, None)
+
+        return walk({}, 0, changes)
+
     def prefixes(self, depth: int, prefix: Mapping[str, Any] | None = None) -> Iterator[Point]:
         """Every assignment of the first ``depth`` knobs (extending ``prefix``, whose knobs must come
         first), in knob order: the order :meth:`enumerate` lists their completions in. Some may
@@ -191,6 +218,55 @@ class Space:
 
         return walk({}, 0)
 
+    def first_met(self) -> tuple[list[list[tuple[str, Any]]], int]:
+        """What a walk of every legal point (:meth:`enumerate`'s order) meets first: for each
+        point at which it first meets some (knob, value) pairs, those pairs (in knob order), the
+        points in walk order; and the number of legal points. A value of another type is another
+        pair (1 and 1.0). Not every point is walked: what a branch (the points of one prefix)
+        meets, and how many points it holds, follow from the prefix's values that its domains and
+        constraints read (:class:`Reads`), so a branch is summed up once per distinct such values
+        and remembered (a large model's millions of points are thousands of distinct branches)."""
+        knobs = self.knobs
+        # per depth: the knobs a branch read -> their values (with their types) -> (met, count)
+        memo: list[dict[tuple[str, ...], dict[tuple, tuple[list, int]]]] = [{} for _ in range(len(knobs) + 1)]
+        order = {name: i for i, name in enumerate(self.names)}
+        point: Point = {}
+
+        def branch(index: int) -> tuple[list[tuple[tuple, list[tuple[str, Any]]]], int, set[str]]:
+            """(what the branch of ``point`` (its first ``index`` knobs) meets first: (the values of
+            the point meeting them, from knob ``index`` on; the pairs), its count, what it read)."""
+            for names, known in memo[index].items():
+                found = known.get(tuple((type(point[n]), point[n]) for n in names))
+                if found is not None:
+                    return (*found, set(names))
+            view = Reads(point)
+            if index == len(knobs):
+                legal = self._violation(view) is None
+                met: list = [((), [])] if legal else []
+                count, read = int(legal), view.read
+            else:
+                knob = knobs[index]
+                values = knob.raw(view)
+                read, met, count, seen = set(view.read), [], 0, set()
+                for value in values:
+                    point[knob.name] = value
+                    below, n, below_read = branch(index + 1)
+                    read |= below_read - {knob.name}
+                    count += n
+                    for first, (tail, pairs) in enumerate(below):
+                        pairs = [(knob.name, value), *pairs] if first == 0 else pairs
+                        new = [(k, v) for k, v in pairs if (k, type(v), v) not in seen]
+                        if new:
+                            seen.update((k, type(v), v) for k, v in new)
+                            met.append(((value, *tail), new))
+                point.pop(knob.name, None)
+            names = tuple(sorted(read, key=order.__getitem__))
+            memo[index].setdefault(names, {})[tuple((type(point[n]), point[n]) for n in names)] = (met, count)
+            return met, count, read
+
+        met, count, _ = branch(0)
+        return [pairs for _, pairs in met], count
+
     def _completes(self, prefix: Point) -> bool:
         key = tuple(prefix.items())
         if key not in self._completion_cache:
@@ -204,10 +280,12 @@ class Space:
         return [v for v in knob.raw(prefix) if self._completes({**prefix, name: v})]
 
     def domains(self) -> dict[str, list[Any]]:
-        """Every value each knob takes in some legal point, in :func:`natural_order`."""
+        """Every value each knob takes in some legal point, in :func:`natural_order` (names as a
+        walk of the points first meets them: :meth:`first_met`, which walks a large model's space
+        of millions of points in a second, where listing it took a minute)."""
         seen: dict[str, list[Any]] = {n: [] for n in self.names}
-        for point in self.enumerate():
-            for n, v in point.items():
+        for pairs in self.first_met()[0]:
+            for n, v in pairs:
                 if v not in seen[n]:
                     seen[n].append(v)
         return {n: natural_order(values) for n, values in seen.items()}
@@ -315,6 +393,32 @@ class Space:
     def params_of(self, point: Point) -> dict[str, Any]:
         """``point`` as Optuna parameters (one per free knob), to enqueue it."""
         return {knob.name: point[knob.name] for knob in self.free}
+
+
+class Reads(Mapping[str, Any]):
+    """A point that records which knobs are read of it (what a knob's domain, a constraint or the
+    cost model's terms depend on)."""
+
+    def __init__(self, point: Mapping[str, Any]):
+        self.point, self.read = point, set()
+
+    def __getitem__(self, name: str) -> Any:
+        self.read.add(name)
+        return self.point[name]
+
+    def __contains__(self, name: object) -> bool:
+        if name in self.point:
+            self.read.add(name)
+            return True
+        return False
+
+    def __iter__(self):
+        self.read.update(self.point)
+        return iter(self.point)
+
+    def __len__(self) -> int:
+        self.read.update(self.point)
+        return len(self.point)
 
 
 def _held(knob: Knob, value: Any, point: Point) -> list[Any]:

@@ -18,6 +18,7 @@ from search_spaces import template_for
 from ..errors import UsageError
 from ..plan import KNOB_DEFAULTS, accumulation, knob_value
 from ..problem import Problem
+from ..space import Reads
 from ..units import format_size
 from . import calibration as _calibration
 from .analytic import (
@@ -293,7 +294,7 @@ class CostModel:
 
         uncertainty = self.calibration.uncertainty
         acts = BlockActivations(*(np.array(f, dtype=float) for f in zip(*map(self._block_activations, variants))))
-        reads = _Reads(point)
+        reads = Reads(point)
         stage_terms = stage_builder(self.layout, reads, self.workload, self.backend, acts)
         peaks: list[int] = [-1] * len(variants)
         for stage in dominant_stages(self.layout, reads):
@@ -466,7 +467,7 @@ class CostModel:
         columns[_STAGE] = np.array([s for of_point in stages for s in of_point])
 
         def run(batch: dict[str, Any]):
-            reads = _Reads({k: v for k, v in batch.items() if k != _STAGE})
+            reads = Reads({k: v for k, v in batch.items() if k != _STAGE})
             terms = stage_builder(self.layout, reads, self.workload, self.backend, linear=True)(batch[_STAGE])
             if read is not None:
                 read.update(reads.read)
@@ -602,31 +603,6 @@ _ACTS_KNOBS_NAMES = ("tp", "micro_batch", "attn", "fuse", "sp", "ckpt_policy", "
 _ACTS_KNOBS = operator.itemgetter(*_ACTS_KNOBS_NAMES)
 _ACTS_READ = (*_ACTS_KNOBS_NAMES, "ckpt_ratio")  # all _acts_key reads
 _UNSET = (object(),) * len(_ACTS_READ)  # a knob a base or a tail leaves to the other
-
-
-class _Reads(Mapping[str, Any]):
-    """A point that records which knobs are read of it."""
-
-    def __init__(self, point: Mapping[str, Any]):
-        self.point, self.read = point, set()
-
-    def __getitem__(self, name: str) -> Any:
-        self.read.add(name)
-        return self.point[name]
-
-    def __contains__(self, name: object) -> bool:
-        if name in self.point:
-            self.read.add(name)
-            return True
-        return False
-
-    def __iter__(self):
-        self.read.update(self.point)
-        return iter(self.point)
-
-    def __len__(self) -> int:
-        self.read.update(self.point)
-        return len(self.point)
 
 
 def _apart(read_names: set[str], point: Mapping[str, Any], variants: list[Mapping[str, Any]]) -> dict | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cost_model import CostModel, hardware, hardware_for
+from ..cost_model.ranking import Fitting, fitting_points
 from ..device import device_setup
 from ..errors import SlapoTuneError, UsageError
 from ..plan import OUT_OF_THE_BOX, TrialStatus
@@ -178,7 +179,8 @@ class Tuner:
         self._known = KnownReader()  # what the study knows: point key -> status, told values, running
         self.driver = driver_name()  # (other drivers on the study leave its running trials alone)
         self.sampler: Strategy = sampler or make_strategy(config.strategy, self.problem, config.seed,
-                                                          predict=self._predictions, known=self._known)
+                                                          predict=self._predictions, known=self._known,
+                                                          fitting=self._fitting)
         self.outputs = (Outputs(self.config.out, self.problem, self.config.strategy, self._command())
                         if write_outputs else None)
         self.progress = Progress()
@@ -208,6 +210,12 @@ class Tuner:
         """The cost model's verdict, peak and throughput (0 where a point cannot fit) of each of
         ``points``, evaluated together: the model-ranked strategies predict the whole space."""
         return self.cost.predictions(points, self.config.memory_budget)
+
+    def _fitting(self) -> Fitting:
+        """The points of the space the analytic verdict lets through, with their predictions, found
+        without listing the others (``ranking.fitting_points``): what the model-ranked strategies
+        rank of a large model's space."""
+        return fitting_points(self.cost, self.space, self.config.memory_budget)
 
     def _predict(self, point: Point) -> dict[str, Any]:
         mem = self.cost.memory(point)
@@ -300,18 +308,38 @@ class Tuner:
             self.study.set_user_attr(BASELINE, record)
 
     def _fits(self, point: Point) -> bool:
-        """Whether ``point`` fits the budget by the tuner's pruning (analytic where pruning is off)."""
-        return self.cost.verdict(point, self.config.memory_budget, exact=self.config.prune == "exact").fits
+        """Whether ``point`` fits the budget by the tuner's pruning (:meth:`_prune_reason`): the
+        analytic verdict, then in exact mode the exact one (analytic alone where pruning is off).
+        The exact verdict only where the analytic one lets the point through: a large model's
+        default that cannot fit by far took a minute's fake step to be refused again."""
+        budget = self.config.memory_budget
+        if not self.cost.verdict(point, budget).fits:
+            return False
+        return self.config.prune != "exact" or self.cost.verdict(point, budget, exact=True).fits
 
     def _made_to_fit(self, default: Point) -> Point | None:
         """The point a user makes ``default`` fit the budget with: of the points that fit, one
-        that changes the fewest of its knobs, the fastest predicted of those; None if none fits."""
-        points = list(self.space.enumerate())
-        predicted = self._predictions(points)
-        nearest = sorted((i for i in range(len(points)) if predicted.fits[i]),
-                         key=lambda i: (sum(points[i][k] != v for k, v in default.items()),
-                                        -predicted.throughputs[i], i))
-        return next((points[i] for i in nearest[:MADE_TO_FIT_TRIES] if self._fits(points[i])), None)
+        that changes the fewest of its knobs, the fastest predicted of those; None if none fits.
+
+        The first :data:`MADE_TO_FIT_TRIES` of the points the analytic verdict lets through, in
+        that order (then the space's), are checked by the tuner's own pruning. The space is walked
+        by the number of knobs changed (:meth:`Space.differing`), the points of each number
+        predicted together, until one is found or the tries are spent: not the whole space listed
+        and predicted (a large model's millions of points, minutes)."""
+        tried = 0
+        for changes in range(len(default) + 1):
+            points = list(self.space.differing(default, changes))
+            if not points:
+                continue
+            predicted = self._predictions(points)
+            fitting = [i for i, fits in enumerate(predicted.fits) if fits]
+            for i in sorted(fitting, key=lambda i: (-predicted.throughputs[i], i)):
+                if tried == MADE_TO_FIT_TRIES:
+                    return None
+                tried += 1
+                if self._fits(points[i]):
+                    return points[i]
+        return None
 
     def _queue_baseline(self) -> None:
         """Queue the baseline as the next trial (the study's first) unless the study has a trial

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from optuna.samplers import BaseSampler
 
     from ..cost_model import Predictions
+    from ..cost_model.ranking import Fitting
     from ..problem import Problem
 
 STRATEGIES = ("guided", "tpe", "grid", "random", "frontier", "model")
@@ -32,11 +33,14 @@ class Strategy(Protocol):
 
 def make_strategy(name: str, problem: Problem, seed: int = 0,
                   predict: Callable[[list[Point]], Predictions] | None = None,
-                  known: KnownReader | None = None) -> BaseSampler:
+                  known: KnownReader | None = None,
+                  fitting: Callable[[], Fitting] | None = None) -> BaseSampler:
     """The Optuna sampler of strategy ``name``, a :class:`Strategy` too (``predict``: the cost
     model's predictions of a list of points, evaluated together (:meth:`CostModel.predictions`):
     the ``model`` strategy orders by their throughputs, ``guided`` starts from them and reads their
-    peaks; ``known``: the reader of the study the caller already keeps, which the ordered
+    peaks; ``fitting``: the points of the space the analytic verdict lets through, with their
+    predictions (``cost_model.ranking.fitting_points``), which those two then rank instead of
+    predicting the whole space; ``known``: the reader of the study the caller already keeps, which the ordered
     strategies then share)."""
     # optuna-free: every --help imports this module (the tune command imports the tuner); _samplers imports optuna
     from . import _samplers
@@ -51,8 +55,8 @@ def make_strategy(name: str, problem: Problem, seed: int = 0,
         if predict is None:
             raise UsageError(f"the '{name}' strategy needs the cost model")
         if name == "guided":
-            return _samplers.Guided(problem, seed, predict, known)
-        return _samplers.ModelRanked(problem, seed, predict, known)
+            return _samplers.Guided(problem, seed, predict, known, fitting)
+        return _samplers.ModelRanked(problem, seed, predict, known, fitting)
     return {"grid": _samplers.Grid, "frontier": _samplers.Frontier}[name](problem, seed, known)
 
 

@@ -11,7 +11,7 @@ from search_spaces import TEMPLATES, load_template, template_for
 from slapo_tune import UsageError
 from slapo_tune.models import load_config
 from slapo_tune.plan import Workload, accumulation
-from slapo_tune.space import Knob, Space, coerce, format_point, parse_knobs, point_json
+from slapo_tune.space import Knob, Space, coerce, format_point, natural_order, parse_knobs, point_json
 from slapo_tune.template import ModelInfo
 
 TINY = {"gpt2": "gpt2-tiny", "llama": "llama-tiny", "bert": "bert-tiny", "opt": "opt-tiny"}
@@ -297,3 +297,68 @@ def test_vpp_offers_equal_chunks_and_megatrons_split_with_the_ends_one_block_sho
     # the micro-batches still decide: 9 over pp=4 are not whole rounds (14 blocks: v=2 by the new rule)
     assert _vpp_offered(replace(base, layers=14), 4) == [1, 2]
     assert _vpp_offered(replace(base, layers=14), 4, global_batch=9) == [1]
+
+
+def _walked(points) -> list[list[tuple]]:
+    """What a walk of ``points`` meets first, point by point (a value of another type another pair)."""
+    seen, met = set(), []
+    for p in points:
+        new = [(k, v) for k, v in p.items() if (k, type(v), v) not in seen]
+        seen.update((k, type(v), v) for k, v in new)
+        if new:
+            met.append(new)
+    return met
+
+
+def _odd_space() -> Space:
+    """A space whose domains read knobs they do not declare, values equal but of two types (whose
+    branches differ: ``f`` keeps the type), and a constraint that reads a late knob: what a branch
+    reads differs from branch to branch."""
+    return Space([Knob("a", [1, 2, 3, 4]), Knob("b", lambda p: [1, 1.0, 2] if p["a"] % 2 else [1, 2.0, 3]),
+                  Knob("c", lambda p: range(int(p["a"] * p["b"]) % 3 + 1)), Knob("d", derive=lambda p: p["a"] > 2),
+                  Knob("e", lambda p: ["x", "y"] if p["d"] else ["y"]), Knob("f", lambda p: [p["b"] * 2])],
+                 constraints=[lambda p: "odd" if p["c"] == 1 and p["e"] == "x" else None])
+
+
+@pytest.mark.parametrize("case", ["gpt2-tiny w4", "llama-tiny w8", "bert-tiny w2", "opt-tiny w16", "pinned", "odd"])
+def test_first_met_is_what_a_walk_of_every_point_meets(case):
+    """Space.first_met sums up branches by the values they read (not every point walked), yet gives
+    what a walk of every point meets first, in order, and their count; the domains follow from it
+    (the same values, in the same order, as a walk of every point finds)."""
+    if case == "odd":
+        space = _odd_space()
+    elif case == "pinned":
+        space = _space("llama-tiny", 8)[2].pinned({"tp": 2, "zero": 3})
+    else:
+        preset, world = case.split(" w")
+        space = _space(f"{preset}", int(world), global_batch=16)[2]
+    points = list(space.enumerate())
+    met, count = space.first_met()
+    assert (met, count) == (_walked(points), len(points))
+    assert len(met) > 3 and any(len(pairs) > 1 for pairs in met[1:])
+    domains = {n: [] for n in space.names}
+    for p in points:
+        for n, v in p.items():
+            if v not in domains[n]:
+                domains[n].append(v)
+    assert space.domains() == {n: natural_order(v) for n, v in domains.items()}
+
+
+@pytest.mark.parametrize("case", ["gpt2-tiny w4", "llama-tiny w8", "odd"])
+def test_differing_lists_the_points_that_change_so_many_knobs(case):
+    """Space.differing walks only the points within so many changed knobs of a point, yet lists
+    exactly those that change that many of its knobs (a knob it lacks never counts), in the
+    space's order."""
+    if case == "odd":
+        space, reference = _odd_space(), {"a": 3, "b": 2, "e": "y", "f": 4}
+    else:
+        preset, world = case.split(" w")
+        space = _space(preset, int(world), global_batch=16)[2]
+        reference = space.complete({"tp": 1, "pp": 1, "ckpt_ratio": 1.0, "micro_batch": 1})
+    points = list(space.enumerate())
+    found = 0
+    for changes in range(len(reference) + 2):
+        expected = [p for p in points if sum(p[k] != v for k, v in reference.items()) == changes]
+        assert list(space.differing(reference, changes)) == expected, changes
+        found += len(expected)
+    assert found == len(points)

@@ -14,13 +14,13 @@ Every strategy's sampler answers :meth:`is_exhausted` (as Optuna's ``GridSampler
 driver stops when a strategy has nothing left without asking which kind it has.
 """
 
-from ._base import PerKnob, Predict
+from ._base import FittingPoints, PerKnob, Predict
 from ._free import TPE, RandomSearch
 from ._frontier import Frontier, beyond_the_frontier, frontier_group
 from ._guided import SPREADS, Guided, log_expected_improvement, recomputes_less
 from ._legal import LegalDomains
 from ._ordered import Grid, ModelRanked, OrderedSampler
 
-__all__ = ["SPREADS", "TPE", "Frontier", "Grid", "Guided", "LegalDomains", "ModelRanked", "OrderedSampler",
+__all__ = ["SPREADS", "TPE", "FittingPoints", "Frontier", "Grid", "Guided", "LegalDomains", "ModelRanked", "OrderedSampler",
            "PerKnob", "Predict", "RandomSearch", "beyond_the_frontier", "frontier_group", "log_expected_improvement",
            "recomputes_less"]

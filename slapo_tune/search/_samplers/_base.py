@@ -11,10 +11,15 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial
 
 from ...cost_model import Predictions
+from ...cost_model.ranking import Fitting
 from ...space import Point
 
 # the cost model's predictions of a list of points, evaluated together (CostModel.predictions)
 Predict = Callable[[list[Point]], Predictions]
+# the points of the space the analytic verdict lets through, with their predictions as with the
+# whole space (cost_model.ranking.fitting_points: a large model's space, without listing its
+# millions of points)
+FittingPoints = Callable[[], Fitting]
 
 
 class PerKnob(optuna.samplers.BaseSampler):

@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from ...cost_model import Predictions
+from ...cost_model.ranking import Fitting
 from ...plan import TrialStatus, knob_value
 from ...problem import Problem
 from ...space import Point
 from .._known import Known, KnownReader
-from ._base import Predict
+from ._base import FittingPoints, Predict
 from ._frontier import frontier_group
 from ._ordered import OrderedSampler
 
@@ -65,40 +67,97 @@ class Guided(OrderedSampler):
     # the model's error at a point, exactly; the prior, a guess at the worst case
     MEMORY_PRIOR_WEIGHT = 0.5
     SCALE_SPREAD = 1e3  # the overall scale's prior standard deviation: flat, whatever the time model's units
+    # a space of at most this many points is listed and predicted whole (a second or less); a
+    # larger one only where it must be (see _tables)
+    LISTED_POINTS = 100_000
 
     def __init__(self, problem: Problem, seed: int = 0, predict: Predict | None = None,
-                 known: KnownReader | None = None) -> None:
+                 known: KnownReader | None = None, fitting: FittingPoints | None = None) -> None:
         super().__init__(problem, seed, known)
         if predict is None:
             raise ValueError("the guided strategy needs the cost model's throughput and peak predictions")
-        self.predict = predict
+        self.predict, self.fitting = predict, fitting
         self._table: dict[str, Any] | None = None
+        self._found: Fitting | None = None  # what a partial table holds (see _tables)
+        self._looked: set[str] = set()  # keys of the known points a partial table was extended by (or not of the space)
         self.stopped_early = False
 
     def _tables(self) -> dict[str, Any]:
         """The space's points in the space's order, each one's log prior, its predicted peak, its
-        features (one column index per knob: the knob's value, and a last column every point has:
-        the overall scale) and frontier group; built once (the space is fixed), the whole space
-        predicted at once (:meth:`CostModel.predictions`)."""
+        features (one column index per knob: the knob's value, numbered as a walk of the whole
+        space meets them (:meth:`Space.first_met`), and a last column every point has: the overall
+        scale) and frontier group; built once (the space is fixed), its points predicted at once
+        (:meth:`CostModel.predictions`).
+
+        A space of more than :attr:`LISTED_POINTS` points (a large model's: millions, which took
+        minutes to list and predict) is not listed where the points that may fit are given
+        (``fitting``): the table is *partial*, its points those the analytic verdict lets through
+        (predicted as with the whole space, found without listing the others: the points that may
+        fit, the only ones the search ranks), and the points the study knows besides
+        (:meth:`_extend`); :meth:`next_point` lists the whole space only where its choice may lie
+        among the others (where no open point that may fit is left ahead of them)."""
         if self._table is None:
-            points = list(self.space.enumerate())  # exact ties go to the first in the space's order
-            predicted = self.predict(points)
-            prior = np.asarray(predicted.throughputs, dtype=float)
-            features, width = _features(points)
-            groups: dict[tuple, int] = {}
-            self._table = {
-                "points": points, "index": _Index(points),
-                "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
-                "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width,
-                "group": np.array([groups.setdefault(frontier_group(p), len(groups)) for p in points], dtype=np.int64),
-                "mb": np.array([p["micro_batch"] for p in points]), "ckpt": np.array([p["ckpt_ratio"] for p in points]),
-                **_checkpointing_tables(points, features),
-            }
+            met, count = self.space.first_met()
+            if self.fitting is None or count <= self.LISTED_POINTS:
+                points = list(self.space.enumerate())  # exact ties: the first in the space's order
+                self._table = self._table_of(points, self.predict(points), met, True)
+            else:
+                self._found = self.fitting()
+                self._table = self._table_of(self._found.points, self._found.predictions, met, False)
         return self._table
+
+    def _table_of(self, points: list[Point], predicted: Predictions, met: list[list[tuple[str, Any]]],
+                  whole: bool) -> dict[str, Any]:
+        """The table (:meth:`_tables`) of ``points``, ``predicted`` so (``whole``: the whole space's)."""
+        prior = np.asarray(predicted.throughputs, dtype=float)
+        names = sorted(self.space.names)
+        features, width = _features(points, met, names)
+        return _with_groups({
+            "points": points, "index": _Index(points, names), "whole": whole, "met": met,
+            "log_prior": np.where(prior > 0, np.log(np.maximum(prior, 1e-300)), -np.inf),
+            "peak": np.asarray(predicted.peaks, dtype=float), "features": features, "width": width})
+
+    def _extend(self, known: Known) -> None:
+        """Add to a partial table (:meth:`_tables`) the points the study knows that it lacks
+        (points the cost model says cannot fit), each with its predicted peak as the whole space's
+        predictions give it (:meth:`Fitting.peak`): what the study says of them (a frontier, a
+        best measured, a peak, an out-of-memory peak) then counts as with the whole space's
+        table."""
+        t = self._tables()
+        if t["whole"]:
+            return
+        added: list[Point] = []
+        for key in known.status:
+            if key not in self._looked:
+                self._looked.add(key)
+                point = None if key in t["index"] else self._point_of(key)
+                if point is not None:
+                    added.append(point)
+        if not added:
+            return
+        for row, p in enumerate(added, len(t["points"])):
+            t["index"].add(p, row)
+        t["points"] = t["points"] + added
+        features, _ = _features(added, t["met"], sorted(self.space.names))
+        t.update(log_prior=np.concatenate([t["log_prior"], np.full(len(added), -np.inf)]),
+                 peak=np.concatenate([t["peak"], np.array([self._found.peak(p) for p in added], dtype=float)]),
+                 features=np.concatenate([t["features"], features]))
+        _with_groups(t)
+
+    def _point_of(self, key: str) -> Point | None:
+        """The point of ``key`` in the space's knob order; None where it is not a point of this space."""
+        try:
+            point = json.loads(key)
+        except ValueError:
+            return None
+        if not isinstance(point, dict) or sorted(point) != sorted(self.space.names) or not self.space.is_legal(point):
+            return None
+        return {name: point[name] for name in self.space.names}
 
     def _measured(self, known: Known) -> tuple[list[int], np.ndarray, float | None]:
         """The indices of the measured points the cost model predicts, the log of their measured
         over predicted throughput, and the best measured log-throughput (None before any)."""
+        self._extend(known)
         t = self._tables()
         rows, residuals, best = [], [], None
         for key, values in known.values.items():
@@ -177,6 +236,7 @@ class Guided(OrderedSampler):
         large or larger with as little checkpointing or less), less those outdone by a point that
         recomputes less (:func:`recomputes_less`) and is measured to fit, or is not known, not
         beyond the frontier and predicted to fit (a running one too: it is not known to fail)."""
+        self._extend(known)
         t = self._tables()
         possible = np.ones(len(t["points"]), dtype=bool)  # not ruled out by a measured frontier
         measured_ok = np.zeros(len(t["points"]), dtype=bool)
@@ -212,6 +272,7 @@ class Guided(OrderedSampler):
         :attr:`MEMORY_SPREAD` (which count as :attr:`MEMORY_PRIOR_WEIGHT` measured peaks). Peaks
         measured within 1 % of their predictions make a point predicted 5 % over the budget a poor
         bet; peaks measured 10 % under theirs (a pessimistic model), a good one."""
+        self._extend(known)
         t = self._tables()
         errors = np.array([math.log(peak / t["peak"][i]) for key, peak in known.peaks.items()
                            if (i := t["index"].get(key)) is not None and peak > 0 and t["peak"][i] > 0])
@@ -239,10 +300,11 @@ class Guided(OrderedSampler):
         return chance
 
     def next_point(self, known: Known) -> Point | None:
+        self._extend(known)
         t = self._tables()
         candidates = self._open(known)
         if not len(candidates):
-            return None
+            return None if t["whole"] else self._listed(known)
         # the points the cost model says cannot fit (log prior -inf) score -inf: only the others
         # are scored (in a large model's space, most points)
         finite = np.flatnonzero(np.isfinite(t["log_prior"][candidates]))
@@ -271,7 +333,21 @@ class Guided(OrderedSampler):
         behind = t["peak"][candidates] >= min((t["peak"][i] for i in ooms), default=np.inf)
         # the best score first; lexsort is stable: exact ties (and points the cost model says cannot
         # fit, -inf) in the space's order
-        return t["points"][int(candidates[np.lexsort((-score, behind))[0]])]
+        first = np.lexsort((-score, behind))[0]
+        if not t["whole"] and behind[first]:
+            return self._listed(known)  # a point the partial table lacks may come first
+        return t["points"][int(candidates[first])]
+
+    def _listed(self, known: Known) -> Point | None:
+        """:meth:`next_point` from the whole space's table, built now (every point listed and
+        predicted, as for a small space), where a partial one's choice may not be the whole
+        space's. A partial table's open points are those that may fit; it lacks only points the
+        cost model says cannot fit, which score -inf and so follow, in the space's order, every
+        open point that may fit and is not behind an out-of-memory peak: where it holds none
+        such, one it lacks may come first."""
+        points = list(self.space.enumerate())
+        self._table = self._table_of(points, self.predict(points), self._tables()["met"], True)
+        return self.next_point(known)
 
 
 def recomputes_less(ratio: float, policy: str, other_ratio: float, other_policy: str) -> bool:
@@ -320,11 +396,15 @@ class _Index(Mapping[str, int]):
     """A point key -> the point's index, by the key read back into its values (no key per point:
     a JSON text per point of a large space costs seconds); a key of other knobs is not in it."""
 
-    def __init__(self, points: list[Point]) -> None:
-        self._names = names = sorted(points[0]) if points else []
+    def __init__(self, points: list[Point], names: list[str]) -> None:
+        self._names = names  # the space's knobs, in name order
         # a point's values in name order, as a tuple (itemgetter of one name gives the value alone)
         self._values = operator.itemgetter(*names) if len(names) > 1 else lambda p: tuple(p[n] for n in names)
         self._rows = {self._values(p): i for i, p in enumerate(points)}
+
+    def add(self, point: Point, row: int) -> None:
+        """Index ``point`` (of the space's knobs) as row ``row``."""
+        self._rows[self._values(point)] = row
 
     def __getitem__(self, key: str) -> int:
         point = json.loads(key)
@@ -339,29 +419,55 @@ class _Index(Mapping[str, int]):
         return len(self._rows)
 
 
-def _features(points: list[Point]) -> tuple[np.ndarray, int]:
-    """Each point's feature columns (:meth:`Guided._tables`): one per knob (in name order), the
-    column of its value, numbered in the order the values first appear (row by row, a row's knobs
-    in name order), and a last one every point has; and the number of columns."""
-    names = sorted(points[0]) if points else []
-    codes, firsts = [], []  # per knob: each point's value code; each value's first row
-    for name in names:
-        column = list(map(operator.itemgetter(name), points))
-        seen: dict[Any, int] = {}
-        if len({type(v) for v in column}) > 1:  # values told apart by their text (1 and 1.0 are one dict key)
-            column = list(map(str, column))
-        codes.append(np.array([seen.setdefault(v, len(seen)) for v in column], dtype=np.int64))
-        firsts.append(np.unique(codes[-1], return_index=True)[1])  # codes count up as values first appear
-    # number (knob, value) pairs as a row-by-row walk meets them: by first row, then knob
-    pairs = sorted((int(row), k, c) for k, rows in enumerate(firsts) for c, row in enumerate(rows))
-    numbers = [np.zeros(len(rows), dtype=np.int64) for rows in firsts]
-    for n, (_, k, c) in enumerate(pairs):
-        numbers[k][c] = n
+def _with_groups(table: dict[str, Any]) -> dict[str, Any]:
+    """``table`` (:meth:`Guided._tables`) with each point's frontier group, micro-batch size and
+    checkpoint ratio, and its checkpointing tables (:func:`_checkpointing_tables`), from its
+    points and features."""
+    points, groups = table["points"], {}
+    table.update(group=np.array([groups.setdefault(frontier_group(p), len(groups)) for p in points], dtype=np.int64),
+                 mb=np.array([p["micro_batch"] for p in points]), ckpt=np.array([p["ckpt_ratio"] for p in points]),
+                 **_checkpointing_tables(points, table["features"]))
+    return table
+
+
+def _met_by(points: list[Point]) -> list[list[tuple[str, Any]]]:
+    """What a walk of ``points``, in their order, meets first (as :meth:`Space.first_met` of them)."""
+    seen: set[tuple] = set()
+    met = []
+    for p in points:
+        new = [(k, v) for k, v in p.items() if (k, type(v), v) not in seen]
+        seen.update((k, type(v), v) for k, v in new)
+        if new:
+            met.append(new)
+    return met
+
+
+def _features(points: list[Point], met: list[list[tuple[str, Any]]] | None = None,
+              names: list[str] | None = None) -> tuple[np.ndarray, int]:
+    """Each point's feature columns (:meth:`Guided._tables`): one per knob of ``names`` (the
+    points' knobs in name order), the column of its value, numbered in the order a walk meets
+    the values (``met``, as :meth:`Space.first_met` gives it; by default a walk of ``points``
+    themselves), row by row, a row's knobs in name order, and a last one every point has; and
+    the number of columns. A knob's values of several types are told apart by their text (1 and
+    1.0 are one dict key)."""
+    names = (sorted(points[0]) if points else []) if names is None else names
+    met = _met_by(points) if met is None else met
+    types: dict[str, set[type]] = {}
+    for pairs in met:
+        for k, v in pairs:
+            types.setdefault(k, set()).add(type(v))
+    text = {k for k, found in types.items() if len(found) > 1}
+    column = {name: c for c, name in enumerate(names)}
+    numbers: dict[tuple[str, Any], int] = {}
+    for pairs in met:
+        for k, v in sorted(pairs, key=lambda pair: column[pair[0]]):
+            numbers.setdefault((k, str(v) if k in text else v), len(numbers))
     features = np.empty((len(points), len(names) + 1), dtype=np.int64)
-    for k in range(len(names)):
-        features[:, k] = numbers[k][codes[k]]
-    features[:, -1] = len(pairs)
-    return features, len(pairs) + 1
+    for c, name in enumerate(names):
+        value = str if name in text else (lambda v: v)
+        features[:, c] = [numbers[(name, value(p[name]))] for p in points]
+    features[:, -1] = len(numbers)
+    return features, len(numbers) + 1
 
 
 # the knob corrections' spreads :meth:`Guided.spreads` chooses among: from a trial's noise (3 %) to

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +16,7 @@ from optuna.trial import FrozenTrial
 from ...problem import Problem
 from ...space import Point, point_key
 from .._known import Known, KnownReader
-from ._base import PerKnob, Predict
+from ._base import FittingPoints, PerKnob, Predict
 
 
 class OrderedSampler(PerKnob):
@@ -68,14 +69,25 @@ class ModelRanked(OrderedSampler):
     """Best predicted throughput first (the cost model's ranking; pruned points never appear)."""
 
     def __init__(self, problem: Problem, seed: int = 0, predict: Predict | None = None,
-                 known: KnownReader | None = None) -> None:
+                 known: KnownReader | None = None, fitting: FittingPoints | None = None) -> None:
         super().__init__(problem, seed, known)
-        self.predict = predict
+        self.predict, self.fitting = predict, fitting
         self._order: list[Point] | None = None
+        self._ranked: set[str] = set()  # the keys of the points of _order
 
     def ordering(self) -> Iterable[Point]:
-        if self._order is None:  # the whole space predicted at once, once; ties in the space's order
-            points = list(self.space.enumerate())
-            order = np.argsort(-self.predict(points).throughputs, kind="stable")
-            self._order = [points[i] for i in order.tolist()]
-        return self._order
+        """The points predicted to run (that fit), fastest first (ties in the space's order), then
+        the others in the space's order, as a stable sort of the whole space by its predicted
+        throughputs orders them (0 where a point cannot fit). Where the points that may fit are
+        given (``fitting``), only those are ranked (a large model's space is not listed and
+        predicted) and the others follow, walked only once every ranked point is known."""
+        if self._order is None:  # predicted once; ties in the space's order
+            if self.fitting is not None:
+                found = self.fitting()
+                points, throughputs = found.points, found.predictions.throughputs
+            else:
+                points = list(self.space.enumerate())
+                throughputs = self.predict(points).throughputs
+            self._order = [points[i] for i in np.argsort(-throughputs, kind="stable").tolist() if throughputs[i] > 0]
+            self._ranked = {point_key(p) for p in self._order}
+        return itertools.chain(self._order, (p for p in self.space.enumerate() if point_key(p) not in self._ranked))
