@@ -104,9 +104,10 @@ def _attention(module, query, key, value, attention_mask, *, kernel: str, scalin
     group, rank, size = _current()
     dropout = dropout if module.training else 0.0
     groups = getattr(module, "num_key_value_groups", 1)
-    if size > 1 and kernel == "sdpa" and dropout == 0.0 and _flash_kernels(query) is not None:
+    kernels = _flash_kernels(query) if size > 1 and kernel == "sdpa" and dropout == 0.0 else None
+    if kernels is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = _ChunkedCausalAttention.apply(query, key, value, group, rank, size, scale, groups)
+        out = _ChunkedCausalAttention.apply(query, key, value, kernels, group, rank, size, scale, groups)
         return out.transpose(1, 2).contiguous(), None
     return _gathered_attention(module, query, key, value, kernel, scaling, dropout, group, rank, size, groups)
 
@@ -216,8 +217,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
     heads); the output is the query's shape."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, rank, size, scale, groups):
-        kernels = _flash_kernels(query)
+    def forward(ctx, query, key, value, kernels, group, rank, size, scale, groups):
         keys, values = (_in_global_order(t, group, size, groups) for t in (key, value))
         chunk = query.shape[2] // 2
         outs, lses, states = [], [], []
@@ -234,14 +234,13 @@ class _ChunkedCausalAttention(torch.autograd.Function):
             states.append(state)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.meta = (group, rank, size, scale, groups, states)
+        ctx.meta = (kernels, group, rank, size, scale, groups, states)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
-        group, rank, size, scale, groups, states = ctx.meta
-        kernels = _flash_kernels(query)
+        kernels, group, rank, size, scale, groups, states = ctx.meta
         keys, values = (_in_global_order(t, group, size, groups) for t in (key, value))
         chunk = query.shape[2] // 2
         grad_q = torch.empty_like(query)
@@ -262,7 +261,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                 grad_v[:, :, start:stop] += dv.to(acc)
             grad_q[:, :, rows] = dq.to(query.dtype)
         grad_key, grad_value = (_own_gradient(t.to(key.dtype), group, size, groups) for t in (grad_k, grad_v))
-        return grad_q, grad_key, grad_value, None, None, None, None, None
+        return grad_q, grad_key, grad_value, None, None, None, None, None, None
 
 
 def _key_spans(g: int, chunk: int) -> list[tuple[int, int, bool]]:
