@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from .._partition import chunk_block_counts, rank_block_count
-from ..parallel._send_release import pending_gradient_sends
+from ..parallel._send_release import ReceiveBuffers, pending_gradient_sends, receive_buffers
 from ..plan import Workload, accumulation, knob_value
 from ._columns import _any, _at_least_zero, _each, _int, _max, _min, _nonzero, _pick, _same, _scalar
 from ._layout import ModelLayout
@@ -248,6 +248,7 @@ class _Stage(NamedTuple):
     grad_1: Any
     steady_sends: Any
     done: Any
+    receives: Any  # interleaved: (the most, at the rank's last backward, at the last loss) alive
 
 
 def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
@@ -294,6 +295,8 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
     head = layout.post_sharded / tp + layout.post_replicated + (layout.pre_sharded / tp if layout.tied_head else 0.0) \
         if last else 0.0
     fresh, held = _each(_flights, pp, schedule, stage, m, vpp)
+    # interleaved: the receive buffers alive at the most, at the rank's last backward, at the last loss
+    receives = _each(_receives, pp, vpp, m, stage, schedule) if interleaved else (0, 0, 0)
     logits_fresh, logits_held = (fresh, held) if gpipe and pipelined else (1, 1)
     per_mb = _nonzero({
         "act_replicated": rep_1 * full, "act_parallel": par_1 * full, "act_scores": scores_1 * full,
@@ -306,10 +309,11 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
         "optimizer": params * state_bytes["optimizer"],
         # receive buffers (runtime._lazy_receive_stage) are made when a receive is posted and
         # go once consumed: a received activation is its micro-batch's stage input, kept by
-        # autograd while that micro-batch is in flight (every chunk but the model's first); a
-        # received gradient lives through one backward (every chunk but the last). O(pp) under
-        # 1F1B, whatever the micro-batch count; GPipe holds every micro-batch's
-        "pp_recv": hidden_1 * (fresh * (vpp - first) + vpp - last) if pipelined else 0.0,
+        # autograd while that micro-batch is in flight (stages after the first); a received
+        # gradient lives through one backward (stages before the last). O(pp) under 1F1B,
+        # whatever the micro-batch count; GPipe holds every micro-batch's. Interleaved, the
+        # counts differ from moment to moment: each moment's own (_stage_terms)
+        "pp_recv": hidden_1 * (fresh * (1 - first) + 1 - last) if pipelined and not interleaved else 0.0,
         "constant": 2**20,
         # fp8: the FP8 weight casts and scales (autocast's copies are amp-bf16's compute_copies)
         "compute_copies": fp8_transient_bytes(layout, tp, per_stage) if mode.fp8 else 0.0,
@@ -365,11 +369,16 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
         fresh=fresh, held=held, logits_fresh=logits_fresh, logits_held=logits_held, per_mb=per_mb, base=base,
         cache=cache, whole=whole, one=one, root=root, top=top, top_checkpointed=top_checkpointed,
         recompute=recompute, recopies=recopies, loss_1=loss_1, out_1=out_1, logits_1=logits_1, grad_1=grad_1,
-        steady_sends=steady_sends, done=done)
+        steady_sends=steady_sends, done=done, receives=receives)
 
 
 def _first_chunk_blocks(layers: int, pp: int, stage: int, vpp: int) -> int:
     return chunk_block_counts(layers, pp, stage, vpp)[0]
+
+
+def _receives(pp: int, vpp: int, m: int, stage: int, schedule: str) -> ReceiveBuffers:
+    """The receive buffers alive on interleaved pipeline rank ``stage`` (:func:`receive_buffers`)."""
+    return receive_buffers(int(pp), int(vpp), int(m), int(stage), "zb" if schedule == "zb" else "1f1b")
 
 
 def _sends_pending(pp: int, vpp: int, m: int, stage: int, schedule: str) -> int:
@@ -406,6 +415,12 @@ def _stage_terms(knobs: _Knobs, stage: int) -> StageTerms:
                     events[name]["gradients"] = events[name]["gradients"] / vpp  # not in place: shared
     if interleaved and not sharded:
         _interleaved_end_events(knobs, st, events)
+    if interleaved:
+        # an interleaved rank's receive buffers, read off torch's action lists: the step's most
+        # while its micro-batches run, except at its last moments (their own: set there)
+        for terms in events.values():
+            terms.setdefault("pp_recv", knobs.hidden_1 * st.receives[0])
+    # none once the step's last backward is done
     events["gradient_sync"] = _gradient_sync(knobs, st)
     # AdamW's temporaries (fp32: it steps fp32 parameters or masters), once activations are gone
     step_grads = {"gradients": st.grad_shards} if sharded else {knobs.grads_key: st.grads}
@@ -663,7 +678,10 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
     # the step's last loss, the chunks still to run backward in flight (the warm-up's count)
     sent = st.steady_sends if _same(st.steady_sends != 0) else \
         hidden_1 * _each(_sends_pending, pp, vpp, m, stage, knobs.schedule)
-    end = {**cache, "gradients": grads, "pp_sends": sent}
+    # the receive buffers then: the last backward's own (its stage input and received gradient)
+    # and any of other micro-batches still alive, not the step's most (the base)
+    recv_end, recv_loss = hidden_1 * st.receives[1], hidden_1 * st.receives[2]
+    end = {**cache, "gradients": grads, "pp_sends": sent, "pp_recv": recv_end}
     end.update({"grads_transient": emb_1} if first else
                {"backward_temp": temp_1, "grads_transient": mlp_matrix * G})
     events["backward_last"] = end
@@ -672,14 +690,14 @@ def _interleaved_end_events(knobs: _Knobs, st: _Stage, events: dict[str, dict[st
         # that chunk's last checkpointed block beside every send but its own (made by it)
         chunk_full = st.first_chunk - first_chunk_ckpt
         events["backward_last_rebuild"] = {
-            **cache, **_gradients(knobs, st, st.top, True), "pp_sends": sent,
+            **cache, **_gradients(knobs, st, st.top, True), "pp_sends": sent, "pp_recv": recv_end,
             "act_replicated": rep_1 * chunk_full, "act_parallel": par_1 * chunk_full,
             "act_scores": scores_1 * chunk_full, "act_fused": fused_1 * chunk_full,
             "act_checkpointed": hidden_1 * first_chunk_ckpt, "act_selective": sel_1 * first_chunk_ckpt,
             "recompute": st.recompute, "backward_temp": temp_1}
     if last:
         waiting = _min(_each(interleaved_warmup, pp, vpp, m, stage), m * vpp - 1)
-        events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent,
+        events["loss_last"] = {**cache, "gradients": grads, "pp_sends": sent, "pp_recv": recv_loss,
                                **{k: v * waiting / vpp for k, v in per_mb.items()},
                                "logits": logits_1, "logits_grad": grad_1}
 

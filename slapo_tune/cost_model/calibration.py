@@ -127,8 +127,10 @@ def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, 
 # fp32 masters) and per ZeRO level 0-3. Version 3: pp_recv counts the receive buffers in flight
 # (not one per micro-batch), logits and logits_grad follow loss_parallel, and tp_comm holds the LM
 # head's all-gather of the logits. Version 4: ZeRO-1 is a unit per block (grads_unsharded: the
-# running block's and the root's bf16 gradients; rs_buffer: a block's reduce-scatter).
-CALIBRATION_VERSION = 4
+# running block's and the root's bf16 gradients; rs_buffer: a block's reduce-scatter). Version 5:
+# an interleaved rank's pp_recv is what torch's action lists keep alive (the step's most, and at
+# its last backward and last loss their own), not one per chunk and micro-batch in flight.
+CALIBRATION_VERSION = 5
 
 
 def _cache_path(device: str, family: str, precision: str) -> Path:

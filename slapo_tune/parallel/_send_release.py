@@ -32,7 +32,7 @@ import gc
 import heapq
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -147,19 +147,65 @@ def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, sc
     yet know posted (so that the release keeps them). Whole rounds of ``pp`` micro-batches beyond
     :data:`STEADY_ROUNDS` repeat the steady state, so they are not walked again (the cost model
     asks this for every point it ranks)."""
-    if n_microbatches % pp == 0:
-        n_microbatches = min(n_microbatches, STEADY_ROUNDS * pp)
-    return _bounds(pp, vpp, n_microbatches, schedule)[rank]
+    return _bounds(pp, vpp, _steady(pp, n_microbatches), schedule)[0][rank]
+
+
+class ReceiveBuffers(NamedTuple):
+    """An interleaved rank's receive buffers alive while its compute actions run (the runtime's
+    ``_lazy_receive_stage`` makes one when its receive is posted, and it goes with the last backward
+    action of its stage and micro-batch: a received activation is that micro-batch's stage input,
+    a received gradient is read by its backward, under zero bubble by the weight pass too)."""
+
+    most: int  # at any compute action of the step
+    last_backward: int  # at the rank's last compute action (its first chunk's last backward)
+    last_loss: int  # at the last backward of the model's last stage (0 on a rank without it)
+
+
+def receive_buffers(pp: int, vpp: int, n_microbatches: int, rank: int, schedule: str = "1f1b") -> ReceiveBuffers:
+    """:class:`ReceiveBuffers` of ``rank`` under torch's interleaved schedule (``schedule`` "1f1b"
+    or "zb"), read off its action lists as :func:`pending_gradient_sends` is (rounds beyond
+    :data:`STEADY_ROUNDS` repeat the steady state; the cool-down is the same)."""
+    return _bounds(pp, vpp, _steady(pp, n_microbatches), schedule)[1][rank]
+
+
+def _steady(pp: int, n_microbatches: int) -> int:
+    return min(n_microbatches, STEADY_ROUNDS * pp) if n_microbatches % pp == 0 else n_microbatches
 
 
 @functools.cache
-def _bounds(pp: int, vpp: int, n_microbatches: int, schedule: str) -> tuple[int, ...]:
-    """:func:`pending_gradient_sends` of every rank, from one walk over torch's action lists."""
+def _bounds(pp: int, vpp: int, n_microbatches: int, schedule: str
+            ) -> tuple[tuple[int, ...], tuple[ReceiveBuffers, ...]]:
+    """:func:`pending_gradient_sends` and :func:`receive_buffers` of every rank, from one lowering of
+    torch's action lists."""
     from torch.distributed.pipelining import schedules
 
     cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zb" else schedules.ScheduleInterleaved1F1B
     with _collector_paused():
-        return _pending_bounds(*_lowered_orders(cls, pp, vpp, n_microbatches))
+        orders, stage_to_rank = _lowered_orders(cls, pp, vpp, n_microbatches)
+        last_stage = len(stage_to_rank) - 1
+        return _pending_bounds(orders, stage_to_rank), \
+            tuple(_receives_alive(orders[r], last_stage) for r in sorted(orders))
+
+
+def _receives_alive(actions: Sequence[Any], last_stage: int) -> ReceiveBuffers:
+    """:class:`ReceiveBuffers` of one rank's lowered action list."""
+    ends: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> its last backward action
+    for i, action in enumerate(actions):
+        if _kind(action) in ("B", "I", "W"):
+            ends[(action.stage_index, action.microbatch_index)] = i
+    alive: list[int] = []  # the action whose end frees each buffer alive
+    most = at_loss = alive_now = 0
+    for i, action in enumerate(actions):
+        kind = _kind(action)
+        if kind in ("RECV_F", "RECV_B"):
+            alive.append(ends[(action.stage_index, action.microbatch_index)])
+        elif kind in ("F", "B", "I", "W"):
+            alive_now = len(alive)
+            most = max(most, alive_now)
+            if kind in ("B", "I") and action.stage_index == last_stage:
+                at_loss = alive_now
+            alive = [end for end in alive if end != i]
+    return ReceiveBuffers(most, alive_now, at_loss)
 
 
 @contextlib.contextmanager

@@ -54,3 +54,53 @@ def peaks_over_microbatches_rank(ctx, specs: list, point: dict) -> list[dict]:
         out.append(measured)
         dist.barrier()
     return out
+
+
+def receive_buffers_alive_rank(ctx, specs: list, point: dict) -> list[list[tuple[str, int, int, int]]]:
+    """For each problem: one real step of an interleaved pipeline, and at the start of each compute
+    action of this rank (forward, backward, weight pass: its kind, stage and micro-batch) how many
+    of the receive buffers the runtime's stages made are still alive (weak references to their
+    storages: alive while anything, autograd included, holds them)."""
+    import weakref
+
+    from slapo_tune.runtime import _lazy_receive_stage
+    from slapo_tune.session import Session
+
+    stage_class = _lazy_receive_stage()
+    made: list[weakref.ref] = []
+    actions: list[tuple[str, int, int, int]] = []
+    originals = {name: stage_class.__dict__[name] for name in
+                 ("_allocate", "forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")}
+
+    def allocate(infos, device):
+        before = [info.buffer for info in infos]
+        originals["_allocate"].__func__(infos, device)
+        made.extend(weakref.ref(info.buffer.untyped_storage()) for old, info in zip(before, infos, strict=True)
+                    if info.buffer is not None and info.buffer is not old)
+
+    def counting(name: str, kind: str):
+        def run(self, chunk_id, *args, **kwargs):
+            actions.append((kind, self.stage_index, chunk_id, sum(ref() is not None for ref in made)))
+            return originals[name](self, chunk_id, *args, **kwargs)
+        return run
+
+    stage_class._allocate = staticmethod(allocate)
+    stage_class.forward_one_chunk = counting("forward_one_chunk", "F")
+    stage_class.backward_one_chunk = counting("backward_one_chunk", "B")
+    stage_class.backward_weight_one_chunk = counting("backward_weight_one_chunk", "W")
+    out = []
+    try:
+        for spec in specs:
+            problem = spec.resolve()
+            session = Session(problem, problem.plan(point), seed=0)
+            batch = session.synthetic_batch()
+            session.train_step(batch)  # the first step builds the stages
+            made.clear()
+            actions.clear()
+            session.train_step(batch)
+            out.append(list(actions))
+            dist.barrier()
+    finally:
+        for name, original in originals.items():
+            setattr(stage_class, name, original)
+    return out

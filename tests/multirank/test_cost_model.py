@@ -131,6 +131,43 @@ def test_pipeline_receive_buffers_do_not_grow_with_the_micro_batch_count(schedul
             assert terms.base["pp_recv"] == in_flight * hidden, (stage, terms.base)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_interleaved_receive_buffers_alive_are_read_off_torchs_action_lists(schedule):
+    """An interleaved rank's receive buffers alive as each compute action starts, counted in a real
+    step of the runtime (weak references to the buffers its stages made), against what the cost
+    model reads off torch's lowered action lists: the step's most, at the rank's last action, and
+    at the last backward of the model's last stage. At 4 and 8 micro-batches (8: beyond the rounds
+    the walk reads), both ranks; and the analytic memory of the last moments counts those."""
+    from _memory_workers import receive_buffers_alive_rank
+
+    from slapo_tune.parallel._send_release import receive_buffers
+
+    pp, vpp = 2, 2
+    counts = (4, 8)
+    specs = [_problem("gpt2-tiny", Workload(WORLD, m, 32)) for m in counts]
+    point = _point(WORLD, pp=pp, vpp=vpp, micro_batch=1, pipeline_schedule=schedule)
+    per_rank = launch(receive_buffers_alive_rank, WORLD, args=(specs, point), timeout=600)
+    last_stage = pp * vpp - 1
+    for rank, runs in enumerate(per_rank):
+        for m, actions in zip(counts, runs, strict=True):
+            assert len(actions) == (3 if schedule == "zb" else 2) * vpp * m, (rank, m, len(actions))
+            alive = [a[3] for a in actions]
+            losses = [a[3] for a in actions if a[0] == "B" and a[1] == last_stage]
+            measured = (max(alive), alive[-1], losses[-1] if losses else 0)
+            assert tuple(receive_buffers(pp, vpp, m, rank, schedule)) == measured, (rank, m, actions)
+    model = CostModel(specs[0].resolve(), CPU)
+    for stage in range(pp):
+        terms = memory_terms(model.layout, point, model.workload, model.backend, [stage])[0]
+        hidden = 32 * 64 * 4  # one micro-batch's hidden state (fp32)
+        most, at_end, at_loss = receive_buffers(pp, vpp, counts[0], stage, schedule)
+        assert "pp_recv" not in terms.base
+        assert terms.moments["backward_last"]["pp_recv"] == at_end * hidden, terms.moments["backward_last"]
+        assert terms.moments["forward"]["pp_recv"] == most * hidden
+        assert "pp_recv" not in terms.moments["optimizer"]
+        if stage == pp - 1:
+            assert terms.moments["loss_last"]["pp_recv"] == at_loss * hidden
+
+
 def _closed_form_llama_params(stage, pp, tp, layers=80, h=8192, heads=64, kv=8, inter=28672, vocab=32000):
     hd = h // heads
     per_layer_matrices = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter
