@@ -183,28 +183,30 @@ def _bounds(pp: int, vpp: int, n_microbatches: int, schedule: str
     with _collector_paused():
         orders, stage_to_rank = _lowered_orders(cls, pp, vpp, n_microbatches)
         last_stage = len(stage_to_rank) - 1
-        return _pending_bounds(orders, stage_to_rank), \
-            tuple(_receives_alive(orders[r], last_stage) for r in sorted(orders))
+        kinds = _known_kinds(orders)
+        return _pending_bounds(orders, stage_to_rank, kinds), \
+            tuple(_receives_alive(orders[r], kinds[r], last_stage) for r in sorted(orders))
 
 
-def _receives_alive(actions: Sequence[Any], last_stage: int) -> ReceiveBuffers:
-    """:class:`ReceiveBuffers` of one rank's lowered action list."""
+def _receives_alive(actions: Sequence[Any], kinds: Sequence[str], last_stage: int) -> ReceiveBuffers:
+    """:class:`ReceiveBuffers` of one rank's lowered action list (``kinds``: its actions' kinds)."""
     ends: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> its last backward action
-    for i, action in enumerate(actions):
-        if _kind(action) in ("B", "I", "W"):
+    for i, (action, kind) in enumerate(zip(actions, kinds, strict=True)):
+        if kind in ("B", "I", "W"):
             ends[(action.stage_index, action.microbatch_index)] = i
-    alive: list[int] = []  # the action whose end frees each buffer alive
-    most = at_loss = alive_now = 0
-    for i, action in enumerate(actions):
-        kind = _kind(action)
+    freed: dict[int, int] = {}  # action -> the buffers alive that go when it ends
+    alive = most = at_loss = alive_now = 0
+    for i, (action, kind) in enumerate(zip(actions, kinds, strict=True)):
         if kind in ("RECV_F", "RECV_B"):
-            alive.append(ends[(action.stage_index, action.microbatch_index)])
+            end = ends[(action.stage_index, action.microbatch_index)]
+            freed[end] = freed.get(end, 0) + 1
+            alive += 1
         elif kind in ("F", "B", "I", "W"):
-            alive_now = len(alive)
+            alive_now = alive
             most = max(most, alive_now)
             if kind in ("B", "I") and action.stage_index == last_stage:
                 at_loss = alive_now
-            alive = [end for end in alive if end != i]
+            alive -= freed.pop(i, 0)
     return ReceiveBuffers(most, alive_now, at_loss)
 
 
@@ -222,13 +224,14 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _pending_bounds(orders: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int]) -> tuple[int, ...]:
+def _pending_bounds(orders: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int],
+                    kinds: Mapping[int, Sequence[str]] | None = None) -> tuple[int, ...]:
     """:meth:`SendProof.pending_gradient_sends` of every rank in order, by the same walk keeping less:
     a rank's clock only at its sends (all a receive reads), and its unproven gradient sends as a
     heap per peer of where their receives sit in that peer's list. A rank's knowledge only grows,
     so a send proven once stays proven: each leaves the heap once, where the proof re-tests every
     held send at every action."""
-    kinds = _known_kinds(orders)
+    kinds = _known_kinds(orders) if kinds is None else kinds
     ranks = sorted(orders)
     slot = {r: i for i, r in enumerate(ranks)}
     n_stages = len(stage_to_rank)
