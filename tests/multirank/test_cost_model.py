@@ -90,11 +90,18 @@ def test_exact_mode_matches_a_measured_real_step(real_steps, index):
 
 def test_the_prediction_tracker_and_torch_memtracker_agree_on_real_steps(real_steps):
     """Exact mode counts with the project's PeakTracker; measurements count with torch's MemTracker.
-    Watching the same real steps at once, both see the same peak, byte for byte."""
+    Watching the same real steps at once, both see the same peak, byte for byte. Under ZeRO-3 gloo's
+    worker thread lets go of a collective's buffer when its work completes, which may fall between
+    an operation's allocation (where ours takes the peak) and its end (where torch's does): ours
+    may then count that one buffer more, at most a unit's gathered parameters (seen under load:
+    1.06 MB of a 3.2 MB block)."""
     for (preset, index), per_rank in real_steps.items():
+        point = MEMORY_POINTS[index][1]
+        layout = CostModel(_memory_spec(preset).resolve(), CPU).layout
+        late = 4 * (layout.block_sharded + layout.block_replicated) if point.get("zero") == 3 else 0
         for rank, report in enumerate(per_rank):
             ours, theirs = report["both"]
-            assert ours == theirs and ours > 2**20, (preset, MEMORY_POINTS[index], rank)
+            assert 0 <= ours - theirs <= late and ours > 2**20, (preset, point, rank, ours, theirs)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
