@@ -70,3 +70,29 @@ def test_the_bound_leaves_the_garbage_collector_as_it_found_it(enabled):
         assert gc.isenabled() is enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_the_receive_counts_past_two_rounds_are_those_of_the_whole_step(schedule, pp):
+    """The receive buffers the cost model reads (:func:`receive_buffers`: the most, at the rank's
+    last backward and at the last loss; counted as a real step keeps them in
+    tests/multirank/test_cost_model.py) walk two rounds of micro-batches at most: pp 2-8, vpp 2-4,
+    every micro-batch count torch runs up to four rounds, every rank's three counts are those of
+    torch's whole lowered step."""
+    from torch.distributed.pipelining import schedules
+
+    from slapo_tune.parallel._send_release import (
+        _known_kinds,
+        _lowered_orders,
+        _receives_alive,
+        receive_buffers,
+    )
+
+    cls = schedules.ScheduleInterleavedZeroBubble if schedule == "zb" else schedules.ScheduleInterleaved1F1B
+    for vpp in range(2, 5):
+        for m in _microbatches(pp, 4 * pp):
+            orders, stage_to_rank = _lowered_orders(cls, pp, vpp, m)
+            kinds = _known_kinds(orders)
+            whole = [_receives_alive(orders[r], kinds[r], pp * vpp - 1) for r in range(pp)]
+            assert [receive_buffers(pp, vpp, m, r, schedule) for r in range(pp)] == whole, (pp, vpp, m)
