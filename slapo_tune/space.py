@@ -432,6 +432,21 @@ def _derived_held(values: Mapping[str, Any], point: Point) -> str | None:
     return f"{', '.join(off)} differs from the pinned {format_point(values)}" if off else None
 
 
+def met_first(points: Sequence[Point]) -> list[list[tuple[str, Any]]]:
+    """What a walk of ``points``, in their order, meets first: for each point at which it first
+    meets some (knob, value) pairs, those pairs (a value of another type another pair). Of every
+    legal point in :meth:`Space.enumerate`'s order, what :meth:`Space.first_met` gives without
+    walking them."""
+    seen: set[tuple] = set()
+    met = []
+    for p in points:
+        new = [(k, v) for k, v in p.items() if (k, type(v), v) not in seen]
+        seen.update((k, type(v), v) for k, v in new)
+        if new:
+            met.append(new)
+    return met
+
+
 def natural_order(values: Sequence[Any]) -> list[Any]:
     """Numbers ascending (``ckpt_ratio`` 0.0, 0.25, ..., 1.0, not the order first met); other
     values (names) as given."""

@@ -11,7 +11,16 @@ from search_spaces import TEMPLATES, load_template, template_for
 from slapo_tune import UsageError
 from slapo_tune.models import load_config
 from slapo_tune.plan import Workload, accumulation
-from slapo_tune.space import Knob, Space, coerce, format_point, natural_order, parse_knobs, point_json
+from slapo_tune.space import (
+    Knob,
+    Space,
+    coerce,
+    format_point,
+    met_first,
+    natural_order,
+    parse_knobs,
+    point_json,
+)
 from slapo_tune.template import ModelInfo
 
 TINY = {"gpt2": "gpt2-tiny", "llama": "llama-tiny", "bert": "bert-tiny", "opt": "opt-tiny"}
@@ -299,17 +308,6 @@ def test_vpp_offers_equal_chunks_and_megatrons_split_with_the_ends_one_block_sho
     assert _vpp_offered(replace(base, layers=14), 4, global_batch=9) == [1]
 
 
-def _walked(points) -> list[list[tuple]]:
-    """What a walk of ``points`` meets first, point by point (a value of another type another pair)."""
-    seen, met = set(), []
-    for p in points:
-        new = [(k, v) for k, v in p.items() if (k, type(v), v) not in seen]
-        seen.update((k, type(v), v) for k, v in new)
-        if new:
-            met.append(new)
-    return met
-
-
 def _odd_space() -> Space:
     """A space whose domains read knobs they do not declare, values equal but of two types (whose
     branches differ: ``f`` keeps the type), and a constraint that reads a late knob: what a branch
@@ -334,7 +332,7 @@ def test_first_met_is_what_a_walk_of_every_point_meets(case):
         space = _space(f"{preset}", int(world), global_batch=16)[2]
     points = list(space.enumerate())
     met, count = space.first_met()
-    assert (met, count) == (_walked(points), len(points))
+    assert (met, count) == (met_first(points), len(points))  # every point walked
     assert len(met) > 3 and any(len(pairs) > 1 for pairs in met[1:])
     domains = {n: [] for n in space.names}
     for p in points:

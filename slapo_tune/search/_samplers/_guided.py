@@ -14,7 +14,7 @@ from ...cost_model import Predictions
 from ...cost_model.ranking import Fitting
 from ...plan import TrialStatus, knob_value
 from ...problem import Problem
-from ...space import Point
+from ...space import Point, met_first
 from .._known import Known, KnownReader
 from ._base import FittingPoints, Predict
 from ._frontier import frontier_group
@@ -430,18 +430,6 @@ def _with_groups(table: dict[str, Any]) -> dict[str, Any]:
     return table
 
 
-def _met_by(points: list[Point]) -> list[list[tuple[str, Any]]]:
-    """What a walk of ``points``, in their order, meets first (as :meth:`Space.first_met` of them)."""
-    seen: set[tuple] = set()
-    met = []
-    for p in points:
-        new = [(k, v) for k, v in p.items() if (k, type(v), v) not in seen]
-        seen.update((k, type(v), v) for k, v in new)
-        if new:
-            met.append(new)
-    return met
-
-
 def _features(points: list[Point], met: list[list[tuple[str, Any]]] | None = None,
               names: list[str] | None = None) -> tuple[np.ndarray, int]:
     """Each point's feature columns (:meth:`Guided._tables`): one per knob of ``names`` (the
@@ -451,7 +439,7 @@ def _features(points: list[Point], met: list[list[tuple[str, Any]]] | None = Non
     the number of columns. A knob's values of several types are told apart by their text (1 and
     1.0 are one dict key)."""
     names = (sorted(points[0]) if points else []) if names is None else names
-    met = _met_by(points) if met is None else met
+    met = met_first(points) if met is None else met
     types: dict[str, set[type]] = {}
     for pairs in met:
         for k, v in pairs:
