@@ -85,6 +85,27 @@ def _int(x):
     return x.astype(np.int64) if isinstance(x, np.ndarray) else int(x)
 
 
+def row_codes(columns: list[np.ndarray]) -> np.ndarray:
+    """One int64 per row, equal where the rows (``columns``' elements at one position) are equal:
+    each column's values coded (small non-negative integers stand for themselves, which needs no
+    sort), the codes combined."""
+    code = np.zeros(len(columns[0]), dtype=np.int64)
+    span = 1  # the codes' range so far
+    for a in columns:
+        a = np.asarray(a)
+        if a.dtype.kind in "iub" and len(a) and a.min() >= 0 and int(a.max()) < 2**20:
+            values, inverse = int(a.max()) + 1, a.astype(np.int64)
+        else:
+            unique, inverse = np.unique(a, return_inverse=True)
+            values, inverse = len(unique), inverse.reshape(-1)
+        if span * values >= 2**62:  # too wide to combine: renumber what is combined so far
+            code = np.unique(code, return_inverse=True)[1].reshape(-1)
+            span = int(code.max()) + 1 if len(code) else 1
+        code = code * values + inverse
+        span *= values
+    return code
+
+
 def _each(fn: Callable, *args):
     """``fn(*args)``, or for a batch ``fn`` of each row's scalars (once per distinct row), as an
     array (a tuple of arrays where ``fn`` returns tuples)."""
@@ -92,12 +113,8 @@ def _each(fn: Callable, *args):
     if not arrays:
         return fn(*args)
     n = len(arrays[0])
-    if n > 512:  # the distinct rows by array operations: each column's values coded, the codes combined
-        code = np.zeros(n, dtype=np.int64)
-        for a in arrays:
-            values, inverse = np.unique(a, return_inverse=True)
-            code = code * len(values) + inverse.reshape(-1)
-        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    if n > 512:  # the distinct rows by array operations
+        _, first, inverse = np.unique(row_codes(arrays), return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
         columns = [a[first].tolist() if isinstance(a, np.ndarray) else [a] * len(first) for a in args]
         results = [fn(*row) for row in zip(*columns)]

@@ -17,6 +17,7 @@ import numpy as np
 from .._partition import rank_block_counts
 from ..plan import KNOB_DEFAULTS, Plan, knob_value
 from . import BLOCK_KNOBS, Predictions, Variants, block_groups
+from ._columns import row_codes
 from .analytic import optimistic
 
 if TYPE_CHECKING:
@@ -305,8 +306,8 @@ def rank_points(model: CostModel, problem: Problem, budget: int, top: int, disti
     # one (a layout's other knobs are what --knobs pins to see them)
     present = [k for k in distinct if k in columns]
     if present:
-        keys = np.stack([np.asarray(columns[k])[best] for k in present], axis=1)
-        best = best[np.sort(np.unique(keys, axis=0, return_index=True)[1])]
+        keys = row_codes([np.asarray(columns[k])[best] for k in present])
+        best = best[np.sort(np.unique(keys, return_index=True)[1])]
     found.rows = [point_row(model, Plan.of(e.knobs_of(v), workload), budget) for v in fit[best[:top]].tolist()]
     return found
 
