@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from .._partition import GRADIENT_BUCKET_BYTES as DP_BUCKET_BYTES
 from .._partition import chunk_block_counts, rank_block_count
-from ..parallel._send_release import ReceiveBuffers, pending_gradient_sends, receive_buffers
+from ..parallel._send_release import ReceiveBuffers
 from ..plan import Workload, accumulation, knob_value
 from ._columns import _any, _at_least_zero, _each, _int, _max, _min, _nonzero, _pick, _same, _scalar
 from ._layout import ModelLayout
@@ -37,6 +37,7 @@ from ._memory import (
     fp8_transient_bytes,
     model_state_bytes,
 )
+from ._schedule_bounds import schedule_bounds
 from ._schedule_math import (
     _flights,
     _stage_ckpt_summary,
@@ -377,13 +378,14 @@ def _first_chunk_blocks(layers: int, pp: int, stage: int, vpp: int) -> int:
 
 
 def _receives(pp: int, vpp: int, m: int, stage: int, schedule: str) -> ReceiveBuffers:
-    """The receive buffers alive on interleaved pipeline rank ``stage`` (:func:`receive_buffers`)."""
-    return receive_buffers(int(pp), int(vpp), int(m), int(stage), "zb" if schedule == "zb" else "1f1b")
+    """The receive buffers alive on interleaved pipeline rank ``stage``
+    (:func:`~slapo_tune.parallel._send_release.receive_buffers`)."""
+    return schedule_bounds(pp, vpp, m, "zb" if schedule == "zb" else "1f1b")[1][int(stage)]
 
 
 def _sends_pending(pp: int, vpp: int, m: int, stage: int, schedule: str) -> int:
     """The input gradients interleaved pipeline rank ``stage`` may still hold sent (its bound)."""
-    return pending_gradient_sends(int(pp), int(vpp), int(m), int(stage), "zb" if schedule == "zb" else "1f1b")
+    return schedule_bounds(pp, vpp, m, "zb" if schedule == "zb" else "1f1b")[0][int(stage)]
 
 
 def _stage_terms(knobs: _Knobs, stage: int) -> StageTerms:

@@ -147,7 +147,7 @@ def pending_gradient_sends(pp: int, vpp: int, n_microbatches: int, rank: int, sc
     yet know posted (so that the release keeps them). Whole rounds of ``pp`` micro-batches beyond
     :data:`STEADY_ROUNDS` repeat the steady state, so they are not walked again (the cost model
     asks this for every point it ranks)."""
-    return _bounds(pp, vpp, _steady(pp, n_microbatches), schedule)[0][rank]
+    return schedule_bounds(pp, vpp, n_microbatches, schedule)[0][rank]
 
 
 class ReceiveBuffers(NamedTuple):
@@ -165,10 +165,18 @@ def receive_buffers(pp: int, vpp: int, n_microbatches: int, rank: int, schedule:
     """:class:`ReceiveBuffers` of ``rank`` under torch's interleaved schedule (``schedule`` "1f1b"
     or "zb"), read off its action lists as :func:`pending_gradient_sends` is (rounds beyond
     :data:`STEADY_ROUNDS` repeat the steady state; the cool-down is the same)."""
-    return _bounds(pp, vpp, _steady(pp, n_microbatches), schedule)[1][rank]
+    return schedule_bounds(pp, vpp, n_microbatches, schedule)[1][rank]
 
 
-def _steady(pp: int, n_microbatches: int) -> int:
+def schedule_bounds(pp: int, vpp: int, n_microbatches: int, schedule: str = "1f1b"
+                    ) -> tuple[tuple[int, ...], tuple[ReceiveBuffers, ...]]:
+    """:func:`pending_gradient_sends` and :func:`receive_buffers` of every rank, in rank order."""
+    return _bounds(pp, vpp, steady_microbatches(pp, n_microbatches), schedule)
+
+
+def steady_microbatches(pp: int, n_microbatches: int) -> int:
+    """The micro-batches whose schedule gives the bounds of ``n_microbatches``' (whole rounds
+    beyond :data:`STEADY_ROUNDS` repeat the steady state)."""
     return min(n_microbatches, STEADY_ROUNDS * pp) if n_microbatches % pp == 0 else n_microbatches
 
 

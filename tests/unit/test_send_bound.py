@@ -4,6 +4,8 @@ most) is, on every rank, what the runtime's proof (:class:`~slapo_tune.parallel.
 gives walked over the whole step of torch's lowering."""
 
 import gc
+import json
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +98,62 @@ def test_the_receive_counts_past_two_rounds_are_those_of_the_whole_step(schedule
             kinds = _known_kinds(orders)
             whole = [_receives_alive(orders[r], kinds[r], pp * vpp - 1) for r in range(pp)]
             assert [receive_buffers(pp, vpp, m, r, schedule) for r in range(pp)] == whole, (pp, vpp, m)
+
+
+@pytest.fixture
+def bounds_file(tmp_path, monkeypatch):
+    """The cost model's file of schedule bounds in an empty cache, nothing of it in memory."""
+    from slapo_tune.cost_model import _schedule_bounds
+
+    monkeypatch.setenv("SLAPO_TUNE_CACHE", str(tmp_path))
+    monkeypatch.setattr(_schedule_bounds, "_KNOWN", {})
+    monkeypatch.setattr(_schedule_bounds, "_READ", set())
+    return _schedule_bounds
+
+
+SHAPES = ((2, 2, 4, "1f1b"), (4, 2, 8, "zb"), (4, 3, 16, "1f1b"))  # the last: past two rounds, read as 8
+
+
+def test_the_cost_models_bounds_are_the_walks_and_a_second_process_reads_them_from_its_file(bounds_file,
+                                                                                            monkeypatch):
+    """What the cost model reads equals the walk's; a new process (nothing in memory) reads the
+    same from the file, walking nothing (a walk would fail here)."""
+    from slapo_tune.parallel import _send_release
+
+    found = {shape: bounds_file.schedule_bounds(*shape) for shape in SHAPES}
+    for (pp, vpp, m, schedule), (sends, receives) in found.items():
+        assert list(sends) == [_send_release.pending_gradient_sends(pp, vpp, m, r, schedule) for r in range(pp)]
+        assert list(receives) == [_send_release.receive_buffers(pp, vpp, m, r, schedule) for r in range(pp)]
+    assert bounds_file._file().exists()
+    monkeypatch.setattr(bounds_file, "_KNOWN", {})
+    monkeypatch.setattr(bounds_file, "_READ", set())
+
+    def no_walk(*args):
+        raise AssertionError(f"walked {args} again")
+
+    monkeypatch.setattr(_send_release, "schedule_bounds", no_walk)
+    assert {shape: bounds_file.schedule_bounds(*shape) for shape in SHAPES} == found
+    assert all(isinstance(r, _send_release.ReceiveBuffers) for _, receives in found.values() for r in receives)
+
+
+def test_a_bounds_file_of_another_walk_or_not_of_this_form_is_not_read(bounds_file, tmp_path, monkeypatch):
+    """The file is named by the walk's source, so an edited walk finds its own; a file whose
+    entries are not of the form written (or not JSON) gives way to the walk."""
+    from slapo_tune.parallel import _send_release
+
+    path = bounds_file._file()
+    edited = tmp_path / "_send_release.py"
+    edited.write_text(Path(_send_release.__file__).read_text() + "\n# an edit\n")
+    monkeypatch.setattr(_send_release, "__file__", str(edited))
+    assert bounds_file._file() != path
+    monkeypatch.undo()  # the walk's own file again (and a fresh memory below)
+    monkeypatch.setattr(bounds_file, "_KNOWN", {})
+    monkeypatch.setattr(bounds_file, "_READ", set())
+    monkeypatch.setenv("SLAPO_TUNE_CACHE", str(tmp_path))
+    truth = _send_release.schedule_bounds(4, 2, 8, "zb")
+    for text in ("not json", json.dumps([[[4, 2, 8, "zb"], [9, 9], [[9, 9, 9]] * 4]]),
+                 json.dumps([[[4, 2, 8, "zb"], ["x"] * 4, [[1, 1, 1]] * 4]]), json.dumps({"4": 1})):
+        path.write_text(text)
+        bounds_file._KNOWN.clear()
+        bounds_file._READ.clear()
+        assert bounds_file.schedule_bounds(4, 2, 8, "zb") == truth, text
