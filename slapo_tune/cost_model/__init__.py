@@ -119,8 +119,9 @@ class Variants(Sequence[Mapping[str, Any]]):
     remembered (a group's floor and its verdicts both read it)."""
 
     def __init__(self, bases: Sequence[Mapping[str, Any]], tails: Sequence[Mapping[str, Any]] = ({},)):
-        self.bases, self.tails = list(bases), list(tails)
-        self.acts_key: tuple | None = None
+        # tails given as a tuple are kept as they are: groups that share them share what is read of them
+        self.bases, self.tails = list(bases), tails if isinstance(tails, tuple) else tuple(tails)
+        self.acts_key: int | None = None
 
     def __len__(self) -> int:
         return len(self.bases) * len(self.tails)
@@ -307,18 +308,24 @@ class CostModel:
             return _merged(apart, lambda members: self._exact_verdicts(members[0], members, budget, weights))
         return [not optimistic(p, uncertainty) > budget for p in peaks], peaks
 
-    def _variants_key(self, variants: list[Mapping[str, Any]]) -> tuple:
+    def _variants_key(self, variants: list[Mapping[str, Any]]) -> tuple | int:
         """What :func:`~.analytic.block_activations` reads of each of ``variants`` (remembered by a
         :class:`Variants` list: a group's floor and its verdicts read it)."""
         if not isinstance(variants, Variants):
             return tuple(map(self._acts_key, variants))
         if variants.acts_key is None:
-            # by what the bases and the tails give of the knobs read (groups share them)
+            # by what the bases and the tails give of the knobs read (groups share them; most share
+            # one tuple of tails, read once), numbered: a number is hashed faster than the keys
             known = self.__dict__.setdefault("_acts_keys", {})
-            read = (tuple(tuple(map(b.get, _ACTS_READ, _UNSET)) for b in variants.bases),
-                    tuple(tuple(map(t.get, _ACTS_READ, _UNSET)) for t in variants.tails))
+            numbers = self.__dict__.setdefault("_acts_numbers", {})
+            tails = self.__dict__.setdefault("_tails_read", {})
+            if id(variants.tails) not in tails:  # the tails kept beside: their id is not reused
+                tails[id(variants.tails)] = (variants.tails, tuple(tuple(map(t.get, _ACTS_READ, _UNSET))
+                                                                   for t in variants.tails))
+            read = (tuple(tuple(map(b.get, _ACTS_READ, _UNSET)) for b in variants.bases), tails[id(variants.tails)][1])
             if read not in known:
-                known[read] = tuple(self._acts_key({**b, **t}) for b in variants.bases for t in variants.tails)
+                key = tuple(self._acts_key({**b, **t}) for b in variants.bases for t in variants.tails)
+                known[read] = numbers.setdefault(key, len(numbers))
             variants.acts_key = known[read]
         return variants.acts_key
 

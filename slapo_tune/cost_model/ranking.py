@@ -203,7 +203,8 @@ def _evaluate(model: CostModel, space, workload, budget: int, weights: dict[str,
         groups += [[start + s for s in group]
                    for group in block_groups([point for *_, point in stems[start:]], range(len(stems) - start)).values()]
     # groups whose model states and activations alone cannot fit: pruned together, unlisted
-    variants = [Variants([stems[s][2] for s in group], combos) for group in groups]
+    tails = tuple(combos)  # one tuple all groups share (Variants reads it once)
+    variants = [Variants([stems[s][2] for s in group], tails) for group in groups]
     heads = [v[0] for v in variants]
     group_floors = model.group_floors(heads, variants, weights)
     floored = [g for g, floor in enumerate(group_floors) if optimistic(floor, uncertainty) > budget]
