@@ -323,3 +323,25 @@ def test_a_whole_space_predicted_at_once_is_each_points_own(case):
             else:
                 assert budget < predicted.peaks[i] <= mem.peak and predicted.throughputs[i] == 0, point
         assert 0 < predicted.fits.sum() < len(points)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_row_codes_are_equal_exactly_where_the_rows_are(seed):
+    """Rows of small integers (coded as themselves), large ones, floats and strings (coded by
+    their order), and enough wide columns that the codes are renumbered on the way: two rows get
+    one code where, and only where, their Python tuples are equal."""
+    from slapo_tune.cost_model._columns import row_codes
+
+    rng = np.random.default_rng(seed)
+    n = 2000
+    columns = [rng.integers(0, 4, n), rng.integers(0, 3, n) * 2**40, rng.choice([0.0, 0.25, 0.5], n),
+               rng.choice(["1f1b", "zb", "gpipe"], n), *(rng.integers(0, 2**19, n) for _ in range(5))]
+    columns[4] = columns[0] * 7 % 3  # a column that follows another: no code of its own to add
+    codes = row_codes(columns).tolist()
+    rows = list(zip(*(c.tolist() for c in columns), strict=True))
+    first: dict[tuple, int] = {}
+    for row, code in zip(rows, codes, strict=True):
+        assert first.setdefault(row, code) == code  # equal rows, one code
+    assert len(set(first.values())) == len(first)  # unequal rows, unequal codes
+    narrow = row_codes(columns[:2] + [columns[0] * 0 + 5])
+    assert len(set(narrow.tolist())) == len(set(zip(columns[0].tolist(), columns[1].tolist())))
