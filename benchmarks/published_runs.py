@@ -62,6 +62,13 @@ counting the embedding and the loss as pipeline layers (126 blocks + 2 = 64 chun
 and last stages hold one block); it does not fit our runtime, whose context parallelism keeps the
 gathered keys and values repeated to the query heads (its rows' ``miss`` notes).
 
+torchtitan's performance tables (Llama 2 13B and 70B, Llama 3 8B and 70B on 64 A100 80GB with FSDP2,
+one micro-batch a step) ran our runtime's FSDP2, with no checkpointing, every second block
+checkpointed ("selective layer") or every block: all held out, they test what the planner claims
+over the published configurations it would replace (one layout, checkpointing on or off). Their
+"selective op" rows are not among them: torchtitan's op-level policy recomputes every second
+matmul, our selective policy none.
+
 Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]``; writes
 ``results/benchmarks/published_runs.json``, and ``python -m benchmarks`` puts its section into
 ``REPORT.md`` (:func:`report_section`).
@@ -158,19 +165,26 @@ def published_point(run: dict) -> dict:
     """The run's configuration as knobs (FSDP FULL_SHARD: ZeRO-3 over every GPU). llm-foundry's MPT
     computes its loss with flash-attn's fused cross-entropy unless told otherwise (``loss_fn``
     defaults to ``fused_crossentropy`` in ``ComposerMPTCausalLM``; the benchmark's yamls keep it):
-    the gradient made in place in the logits' buffer, which is our ``loss_parallel=on`` at tp=1."""
+    the gradient made in place in the logits' buffer, which is our ``loss_parallel=on`` at tp=1. A
+    framework's ``point`` (in the data file) gives the knobs all its runs hold that its tables do not
+    state."""
     layout, knobs = run["layout"], run["knobs"]
     # Megatron's distributed optimizer shards the optimizer state and reduce-scatters the gradients
     # once per step, parameters and gradients whole in between: ZeRO-1
     zero = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "DISTRIBUTED_OPTIMIZER": 1}[layout["sharding"]]
+    # the share of blocks checkpointed where the table says it (torchtitan's "selective layer": every
+    # second block), else every block or none
+    ratio = knobs.get("ckpt_ratio", 1.0 if knobs["activation_checkpointing"] else 0.0)
     point = dict(tp=layout["tp"], pp=layout["pp"], zero=zero, micro_batch=knobs["micro_batch"],
-                 ckpt_ratio=1.0 if knobs["activation_checkpointing"] else 0.0, attn="sdpa", fuse="off",
-                 loss_parallel="on")
+                 ckpt_ratio=ratio, attn="sdpa", fuse="off", loss_parallel="on")
     if "preset" in run["model"]:
         # Megatron-Core with Transformer Engine: fused norm, activation and bias kernels (fuse), sequence
         # parallelism with tensor parallelism, an interleaved 1F1B pipeline of vpp chunks per rank
         point.update(cp=layout.get("cp", 1), vpp=layout.get("vpp", 1), fuse="on",
                      sp="on" if layout["tp"] > 1 else "off", pipeline_schedule="1f1b")
+    # what every run of the framework holds that its tables do not state (torchtitan: PyTorch's own
+    # cross-entropy, unfused layers)
+    point.update(run["framework"].get("point", {}))
     return point
 
 
