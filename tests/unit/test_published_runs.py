@@ -186,3 +186,18 @@ def test_the_one_yardstick_spearman_ranks_published_speeds_at_our_flop_count():
     # published at our count: 0.5, 1.2, 0.7 against predicted 0.5, 0.6, 0.7
     assert got["spearman_mfu"] == pytest.approx(-1.0)
     assert got["spearman_mfu_one_count"] == pytest.approx(0.5)
+
+
+def test_torchtitans_runs_are_planned_as_its_tables_say(runs):
+    """torchtitan's "selective layer" checkpoints every second block (ckpt_ratio 0.5), "full" every
+    block, "no" none; its runs use PyTorch's own cross-entropy and unfused layers (the framework's
+    ``point``), whatever the Llama preset's other runs hold."""
+    titan = [r for r in runs if r["source"]["repository"] == "pytorch/torchtitan"]
+    share = {"no": 0.0, "selective layer": 0.5, "full": 1.0}
+    assert {r["knobs"]["torchtitan_ac"] for r in titan} == set(share)
+    for run in titan:
+        point = published_point(run)
+        assert point["ckpt_ratio"] == share[run["knobs"]["torchtitan_ac"]], run["id"]
+        assert (point["loss_parallel"], point["fuse"], point["zero"], point["tp"]) == ("off", "off", 3, 1), run["id"]
+    nvidia = next(r for r in runs if r["source"]["repository"] == "NVIDIA-NeMo/Megatron-Bridge")
+    assert published_point(nvidia)["fuse"] == "on"  # a framework's point is its own runs' only
