@@ -23,7 +23,7 @@ import numpy as np
 
 from ..plan import Workload, accumulation, knob_value
 from ..precision import Precision
-from ._columns import _max, _min
+from ._columns import _each, _max, _min
 from ._layout import ModelLayout, cp_gathers_keys, scores_materialised
 from ._memory import GRAD_BYTES
 from ._schedule_math import checkpointed_count
@@ -336,9 +336,9 @@ def _step_of(layout: ModelLayout, point: Mapping[str, Any], workload: Workload, 
     # interleaved, the ranks between the ends hold (blocks + 2) / pp when the end chunks are one
     # block short, the same: the space offers no other uneven interleaving, test_space checks)
     per_stage = -(-layout.layers // pp)
-    if isinstance(pp, np.ndarray):  # few distinct (ratio, pp, vpp) of many points
-        ckpt = np.array([checkpointed_count(0, r, layout.layers, n, v) for r, n, v in
-                         zip(point["ckpt_ratio"].tolist(), pp.tolist(), vpp.tolist())], dtype=np.int64)
+    if isinstance(pp, np.ndarray):  # few distinct (ratio, pp, vpp) of many points: once each
+        ckpt = np.asarray(_each(lambda r, n, v: checkpointed_count(0, r, layout.layers, n, v),
+                                point["ckpt_ratio"], pp, vpp), dtype=np.int64)
     else:
         ckpt = checkpointed_count(per_stage, point["ckpt_ratio"], layout.layers, pp, vpp)
     tokens = b * s / cp  # context parallelism: this rank's chunk of each sequence
