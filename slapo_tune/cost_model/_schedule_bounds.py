@@ -8,6 +8,7 @@ what another one found; it holds integers only, and is read only where it has th
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from importlib import metadata
@@ -43,11 +44,22 @@ def schedule_bounds(pp: int, vpp: int, n_microbatches: int, schedule: str) -> Bo
 def _file() -> Path | None:
     """The file for this torch and this walk (None: torch's version unknown, or no cache directory)."""
     try:
-        torch_version = metadata.version("torch")
-        walk = hashlib.sha256(Path(_send_release.__file__).read_bytes()).hexdigest()[:16]
+        torch_version, walk = _torch_version(), _source_hash(_send_release.__file__)
         return _cache_dir() / f"schedule-bounds-torch{torch_version}-{walk}.json"
     except (metadata.PackageNotFoundError, OSError):
         return None
+
+
+# once per process: a plan's every new shape asks for the file (the cache directory may change,
+# the installed torch and a source file's content do not)
+@functools.cache
+def _torch_version() -> str:
+    return metadata.version("torch")
+
+
+@functools.cache
+def _source_hash(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _read(path: Path) -> None:
