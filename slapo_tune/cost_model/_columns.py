@@ -93,8 +93,9 @@ def row_codes(columns: list[np.ndarray]) -> np.ndarray:
     span = 1  # the codes' range so far
     for a in columns:
         a = np.asarray(a)
-        if a.dtype.kind in "iub" and len(a) and a.min() >= 0 and int(a.max()) < 2**20:
-            values, inverse = int(a.max()) + 1, a.astype(np.int64)
+        top = int(a.max()) if a.dtype.kind in "iub" and len(a) else -1
+        if 0 <= top < 2**20 and a.min() >= 0:
+            values, inverse = top + 1, a.astype(np.int64)
         else:
             unique, inverse = np.unique(a, return_inverse=True)
             values, inverse = len(unique), inverse.reshape(-1)
