@@ -233,13 +233,12 @@ def _collector_paused() -> Iterator[None]:
 
 
 def _pending_bounds(orders: Mapping[int, Sequence[Any]], stage_to_rank: Mapping[int, int],
-                    kinds: Mapping[int, Sequence[str]] | None = None) -> tuple[int, ...]:
+                    kinds: Mapping[int, Sequence[str]]) -> tuple[int, ...]:
     """:meth:`SendProof.pending_gradient_sends` of every rank in order, by the same walk keeping less:
     a rank's clock only at its sends (all a receive reads), and its unproven gradient sends as a
     heap per peer of where their receives sit in that peer's list. A rank's knowledge only grows,
     so a send proven once stays proven: each leaves the heap once, where the proof re-tests every
-    held send at every action."""
-    kinds = _known_kinds(orders) if kinds is None else kinds
+    held send at every action. ``kinds``: each rank's action kinds (:func:`_known_kinds`)."""
     ranks = sorted(orders)
     slot = {r: i for i, r in enumerate(ranks)}
     n_stages = len(stage_to_rank)
