@@ -97,14 +97,16 @@ def test_fsdp_communication_hides_behind_compute_on_gpus_only():
 
 def test_plan_defaults_are_a_real_runs_and_the_header_says_so(capsys):
     """On GPUs: the model's context length and the multiple of the world size closest to 2^22
-    tokens; on CPU the tiny defaults stay (8 per rank, at most 128 tokens)."""
+    tokens; on CPU the tiny defaults stay (8 per rank, at most 128 tokens). (One point: the workload
+    is the same for every point, and the whole space is a million points.)"""
+    one = ["--knobs", "tp=8"]
     assert main(["plan", "--model", "llama-7b", "--world-size", "64", "--memory-budget", "80GiB", "--top", "1",
-                 "--json"]) == 0
+                 "--json", *one]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["seq_len"] == 4096 and data["global_batch"] % 64 == 0
     assert abs(data["global_batch"] * 4096 - DEFAULT_GLOBAL_TOKENS) <= 64 * 4096 / 2
     assert data["defaults"] == ["global_batch", "seq_len"]
-    assert main(["plan", "--model", "llama-7b", "--world-size", "64", "--memory-budget", "80GiB", "--top", "1"]) == 0
+    assert main(["plan", "--model", "llama-7b", "--world-size", "64", "--memory-budget", "80GiB", "--top", "1", *one]) == 0
     workload = capsys.readouterr().out.splitlines()[1]  # (the first line: the model, world and counts)
     assert "global batch 1024 (4.2M tokens, default)" in workload and "seq 4096 (default: the model's context length)" in workload
     cpu = ProblemSpec("gpt2-tiny", 2).resolve().workload
