@@ -74,14 +74,14 @@ class Case(NamedTuple):
 
 def published_cases(runs: list[dict]) -> list[Case]:
     """A case per published run (benchmarks/published_runs.py's configuration of it)."""
-    from benchmarks.published_runs import _spec, published_point, runtime_of
+    from benchmarks.published_runs import _spec, layout_of_run, published_point, runtime_of
     from slapo_tune.cost_model import CostModel, hardware
 
     out = []
     for run in runs:
         hw = hardware(run["hardware"])
         problem = _spec(run).resolve()
-        model = CostModel(problem, hw)
+        model = CostModel(problem, hw, layout=layout_of_run(problem))
         tokens, published = run["global_batch"] * run["seq_len"], run["published"]["tokens_per_s_per_gpu"]
         group = "other" if "runtime" in run else ("held_out" if run["held_out"] else "fitted")
         out.append(Case(run["id"], group, hw, model.layout, problem.plan(published_point(run)), model.workload,

@@ -69,7 +69,8 @@ over the published configurations it would replace (one layout, checkpointing on
 "selective op" rows are not among them: torchtitan's op-level policy recomputes every second
 matmul, our selective policy none.
 
-Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]``; writes
+Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]`` (``--write-layouts`` after a change to what
+a model layout holds: :data:`LAYOUTS`); writes
 ``results/benchmarks/published_runs.json``, and ``python -m benchmarks`` puts its section into
 ``REPORT.md`` (:func:`report_section`).
 """
@@ -77,15 +78,21 @@ Run: ``python -m benchmarks.published_runs [--quick] [--no-rank]``; writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import itertools
 import json
 import statistics
 import time
+from importlib import metadata
 from pathlib import Path
 
 from benchmarks._stats import isolated_cache, publish, spearman  # noqa: E402
 
 DATA = Path(__file__).with_name("data") / "published_runs.json"
+# each run's model layout, measured by ``python -m benchmarks.published_runs --write-layouts``
+# (tests/unit/test_published_runs.py checks it against a fresh measurement)
+LAYOUTS = DATA.with_name("published_layouts.json")
 # the tables' FSDP mixed precision ("MP Mode") -> ours. Composer's DEFAULT gathers the parameters in
 # the training dtype and reduces gradients in fp32 over fp32 shards (composer/distributed/
 # mosaic_fsdp_utils.py, get_mixed_precision): our bf16 under ZeRO-3 (FSDP2's param_dtype bf16,
@@ -161,6 +168,53 @@ def _spec(run: dict):
                        device="cuda")
 
 
+def _model_key(problem) -> str:
+    """A run's model in :data:`LAYOUTS`: its config's fingerprint and its template's name and version."""
+    from slapo_tune.models import config_fingerprint
+
+    return f"{config_fingerprint(problem.config)} {problem.template.name} v{problem.template.version}"
+
+
+@functools.cache
+def _shipped_layouts() -> dict:
+    """:data:`LAYOUTS`' layouts where the file was written by this layout version and torch, else none."""
+    from slapo_tune.cost_model._layout import LAYOUT_VERSION
+
+    try:
+        data = json.loads(LAYOUTS.read_text())
+    except (OSError, ValueError):
+        return {}
+    fresh = data.get("layout_version") == LAYOUT_VERSION and data.get("torch") == metadata.version("torch")
+    return data.get("layouts", {}) if fresh else {}
+
+
+def layout_of_run(problem):
+    """The layout of a run's model: from :data:`LAYOUTS` where it holds it (what
+    :func:`~slapo_tune.cost_model.layout_of` measured, at this layout version and torch: the
+    probe takes seconds per model, some two minutes over every run), else measured."""
+    from slapo_tune.cost_model import ModelLayout, layout_of
+
+    shipped = _shipped_layouts().get(_model_key(problem))
+    return ModelLayout(**shipped) if shipped is not None else layout_of(problem.config, problem.template)
+
+
+def write_layouts(runs: list[dict]) -> Path:
+    """Measure every run's model layout afresh and write :data:`LAYOUTS`."""
+    from slapo_tune._atomic import atomic_write_text
+    from slapo_tune.cost_model._layout import LAYOUT_VERSION, _measure_layout
+
+    layouts = {}
+    for run in runs:
+        problem = _spec(run).resolve()
+        key = _model_key(problem)
+        if key not in layouts:
+            layouts[key] = dataclasses.asdict(_measure_layout(problem.config, problem.template))
+    data = {"layout_version": LAYOUT_VERSION, "torch": metadata.version("torch"), "layouts": layouts}
+    atomic_write_text(LAYOUTS, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _shipped_layouts.cache_clear()
+    return LAYOUTS
+
+
 def published_point(run: dict) -> dict:
     """The run's configuration as knobs (FSDP FULL_SHARD: ZeRO-3 over every GPU). llm-foundry's MPT
     computes its loss with flash-attn's fused cross-entropy unless told otherwise (``loss_fn``
@@ -198,7 +252,7 @@ def evaluate(run: dict, rank: bool) -> dict:
     problem = _spec(run).resolve()
     # the run's own runtime: its framework's (llm-foundry's FSDP1 makes the host wait per block,
     # Megatron accumulates gradients in its GEMMs)
-    model = CostModel(problem, hw, runtime=runtime_of(run))
+    model = CostModel(problem, hw, layout=layout_of_run(problem), runtime=runtime_of(run))
     point = problem.plan(published_point(run))
     memory = model.memory(point)
     timing = model.time(point)
@@ -376,7 +430,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{QUICK} runs, half of them held out")
     parser.add_argument("--no-rank", action="store_true", help="skip plan's ranking (the slow part)")
+    parser.add_argument("--write-layouts", action="store_true",
+                        help=f"measure every run's model layout and write {LAYOUTS.name} (after a change to what a layout holds)")
     args = parser.parse_args(argv)
+    if args.write_layouts:
+        print(f"wrote {write_layouts(load_runs())}")
+        return {}
     data = run(args.quick, rank=not args.no_rank)
     return publish("published_runs", data, report_section(data))
 

@@ -201,3 +201,67 @@ def test_torchtitans_runs_are_planned_as_its_tables_say(runs):
         assert (point["loss_parallel"], point["fuse"], point["zero"], point["tp"]) == ("off", "off", 3, 1), run["id"]
     nvidia = next(r for r in runs if r["source"]["repository"] == "NVIDIA-NeMo/Megatron-Bridge")
     assert published_point(nvidia)["fuse"] == "on"  # a framework's point is its own runs' only
+
+
+# one run of each template the runs use (GPT-2 blocks at MPT's shape; Llama): the layout file's
+# entries are measured afresh for these by default, for every run with -m slow (the probe takes
+# seconds per model)
+_FRESH = ("mpt-760m h100-80gb x8 s2048", "llama3-8b h100-80gb x8 s8192 fp8 gbs128")
+
+
+def test_every_runs_model_layout_is_shipped_for_this_layout_version_and_torch(runs):
+    """The benchmark (and the tests that predict the runs) read each run's model layout from
+    benchmarks/data/published_layouts.json; a run missing there, or a file of another layout version
+    or torch, would be measured again (minutes over the runs): run --write-layouts."""
+    from slapo_tune.cost_model import ModelLayout
+
+    shipped = published_runs._shipped_layouts()
+    assert shipped, "published_layouts.json is not of this layout version and torch: run --write-layouts"
+    for run in runs:
+        problem = _spec(run).resolve()
+        assert published_runs._model_key(problem) in shipped, f"{run['id']}: run --write-layouts"
+        assert isinstance(published_runs.layout_of_run(problem), ModelLayout)
+
+
+@pytest.mark.parametrize("field, other", [("layout_version", 1), ("torch", "1.0.0")])
+def test_a_layout_file_of_another_layout_version_or_torch_is_not_read(tmp_path, monkeypatch, field, other):
+    """What a block keeps is measured by the probe of one layout version under one torch: a file
+    written by another is not read (its runs are measured again), a well-formed one is."""
+    data = json.loads(published_runs.LAYOUTS.read_text())
+    assert data["layouts"]
+    monkeypatch.setattr(published_runs, "LAYOUTS", tmp_path / "layouts.json")
+    published_runs._shipped_layouts.cache_clear()
+    try:
+        published_runs.LAYOUTS.write_text(json.dumps(data))
+        assert published_runs._shipped_layouts() == data["layouts"]
+        published_runs._shipped_layouts.cache_clear()
+        published_runs.LAYOUTS.write_text(json.dumps({**data, field: other}))
+        assert published_runs._shipped_layouts() == {}
+    finally:
+        published_runs._shipped_layouts.cache_clear()
+
+
+def _assert_layout_is_a_fresh_measurement(run: dict) -> None:
+    import dataclasses
+
+    from slapo_tune.cost_model._layout import _measure_layout
+
+    problem = _spec(run).resolve()
+    fresh = _measure_layout(problem.config, problem.template)
+    assert dataclasses.asdict(published_runs.layout_of_run(problem)) == dataclasses.asdict(fresh), (
+        f"{run['id']}: run python -m benchmarks.published_runs --write-layouts")
+
+
+@pytest.mark.parametrize("run_id", _FRESH)
+def test_a_shipped_layout_is_what_the_probe_measures_now(runs, run_id):
+    _assert_layout_is_a_fresh_measurement(next(r for r in runs if r["id"] == run_id))
+
+
+@pytest.mark.slow
+def test_every_shipped_layout_is_what_the_probe_measures_now(runs):
+    seen = set()
+    for run in runs:
+        key = published_runs._model_key(_spec(run).resolve())
+        if key not in seen and run["id"] not in _FRESH:
+            seen.add(key)
+            _assert_layout_is_a_fresh_measurement(run)
