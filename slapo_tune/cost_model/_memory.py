@@ -372,26 +372,24 @@ def linear_terms(st: StageTerms, weights: Mapping[str, float], n: int
     except KeyError:  # a term without a feature or a weight
         return None
 
-    # every term's weighted bytes as a row of one array (a number repeated over the batch): each
-    # event's sums made by one np.add.at, which adds in index order, the order of the loops it
-    # replaces (the base's terms, then each moment's), so the sums are bit for bit theirs
-    width = len(LinearFeatures._fields)
-    values = np.empty((len(base) + sum(map(len, moments)), n))
-    for i, (_, t) in enumerate(itertools.chain(base, *moments)):
-        values[i] = t
-    features = np.fromiter((f for f, _ in itertools.chain(base, *moments)), dtype=np.intp, count=len(values))
-    events = np.fromiter((j for j, terms in enumerate(moments) for _ in terms), dtype=np.intp,
-                         count=len(values) - len(base))
+    def matrix(size: Callable = lambda t: t) -> np.ndarray:
+        rows = np.zeros((n, len(LinearFeatures._fields)))
+        for f, t in base:
+            rows[:, f] += size(t)
+        events = np.repeat(rows[:, None, :], len(moments), axis=1)
+        for j, terms in enumerate(moments):
+            for f, t in terms:
+                events[:, j, f] += size(t)
+        return events
 
-    def matrix(sizes: np.ndarray) -> np.ndarray:
-        rows = np.zeros((width, n))
-        np.add.at(rows, features[:len(base)], sizes[:len(base)])
-        out = np.repeat(rows[None], len(moments), axis=0)  # (events, features, n)
-        np.add.at(out, (events, features[len(base):]), sizes[len(base):])
-        return np.ascontiguousarray(out.transpose(2, 0, 1))  # (n, events, features), laid out as before
+    negative = any(_any_negative(t) for _, t in itertools.chain(base, *moments))
+    return matrix(), matrix(np.abs) if negative else None
 
-    negative = bool((values < 0).any())
-    return matrix(values), matrix(np.abs(values)) if negative else None
+
+def _any_negative(t: float | np.ndarray) -> bool:
+    """Whether a weighted term, a number or an array of the batch's rows, is negative anywhere
+    (``np.any`` of a number costs microseconds, and a space's groups ask it of millions of terms)."""
+    return bool((t < 0).any()) if isinstance(t, np.ndarray) else t < 0
 
 
 @dataclass
