@@ -169,10 +169,11 @@ def _spec(run: dict):
 
 
 def _model_key(problem) -> str:
-    """A run's model in :data:`LAYOUTS`: its config's fingerprint and its template's name and version."""
-    from slapo_tune.models import config_fingerprint
+    """A run's model in :data:`LAYOUTS`: what its layout is known by (:func:`~slapo_tune.cost_model._layout.layout_key`)."""
+    from slapo_tune.cost_model._layout import layout_key
 
-    return f"{config_fingerprint(problem.config)} {problem.template.name} v{problem.template.version}"
+    fingerprint, name, version = layout_key(problem.config, problem.template)
+    return f"{fingerprint} {name} v{version}"
 
 
 @functools.cache

@@ -66,15 +66,20 @@ _LAYOUTS: dict[tuple[str, str, str], ModelLayout] = {}
 LAYOUT_VERSION = 10  # bump when what a layout measures changes: cached layouts are then remeasured
 
 
+def layout_key(config: Any, template: Template) -> tuple[str, str, str]:
+    """What a model's layout is known by: its config's fingerprint, its template's name and version."""
+    # a template from a user's file is known by its content too: its name and version need not change with it
+    version = str(template.version) + (f"+{template.source.sha256[:12]}" if template.source else "")
+    return config_fingerprint(config), template.name, version
+
+
 def layout_of(config: Any, template: Template) -> ModelLayout:
     """Measure a model from its config: which parameters sit in a block, before and after the
     blocks, and what a block keeps for its backward (:func:`activation_probe`). Only one- and
     two-block copies are built (meta device, fake tensors); blocks are alike. Cached per config."""
     import torch
 
-    # a template from a user's file is known by its content too: its name and version need not change with it
-    version = str(template.version) + (f"+{template.source.sha256[:12]}" if template.source else "")
-    key = (config_fingerprint(config), template.name, version)
+    key = layout_key(config, template)
     if key in _LAYOUTS:
         return _LAYOUTS[key]
     cache = _cache_dir() / (f"layout-v{LAYOUT_VERSION}-{key[0].removeprefix('sha256:')}-{key[1]}-{key[2]}"

@@ -112,13 +112,11 @@ def _groups(case=()) -> list[list[dict]]:
 
 
 def test_layout_floor_is_below_every_points_peak():
-    model, evaluated = _evaluated()
-    floors = {}
+    _, evaluated = _evaluated()
+    floors = _layout_floors()  # each layout's floor read at its first point, held against every one's peak
     for point, mem in evaluated:
-        layout = (point["tp"], point["pp"], point["dp"], point["zero"])
-        if layout not in floors:  # each layout's floor read at its first point, held against every one's peak
-            floors[layout] = model.layout_floor(point)
-        assert 0 < floors[layout] <= mem.peak, (point.short, floors[layout], mem.peak)
+        floor = floors[(point["tp"], point["pp"], point["dp"], point["zero"])]
+        assert 0 < floor <= mem.peak, (point.short, floor, mem.peak)
 
 
 @pytest.mark.parametrize("case", [(), GPT2, GPT2_UNEVEN], ids=["llama", "gpt2-amp", "gpt2-uneven"])
