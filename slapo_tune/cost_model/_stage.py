@@ -345,12 +345,17 @@ def _stage_of(knobs: _Knobs, stage: int) -> _Stage:
     loss_1 = tokens * layout.vocab / vocab_shards * LOSS_BYTES if last else 0.0
     out_1 = tokens * layout.vocab / vocab_shards * B if last and pipelined else 0.0
     logits_1 = loss_1 + out_1
-    # The head's backward then runs beside that gradient: its input's gradient (the whole
-    # sequence) and, when tp > 1, the all-reduced copy of it, and its weight's gradient. Without loss_parallel
-    # this moment stays below the two full-width gradients before it.
+    # The head's backward then runs beside the logits' gradient (in the compute dtype): its input's
+    # gradient (the whole sequence) and, when tp > 1, the all-reduced copy of it, and its weight's
+    # gradient (from the second micro-batch on, beside the one accumulated). Without loss_parallel
+    # the log-softmax is freed by then, and the moment outweighs the loss's two fp32 gradients where
+    # the head's matrix is large beside a micro-batch's logits (a wide model, few tokens).
     head_backward = _pick(tp > 1, 2, 1) * tokens * layout.hidden * B + head_matrix * Pb
-    grad_1 = _pick(fused_loss, tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0,
-                   2 * loss_1)
+    head_1 = tokens * layout.vocab / vocab_shards * B + head_backward if last else 0.0
+    # A pipeline's last stage holds a tied head (GPT-2's) as its own copy of the embedding; exact mode
+    # shows that copy's gradient made once the logits' gradient is freed: the loss's moment holds.
+    head_after_loss = 2 * loss_1 if layout.tied_head and pipelined else _max(2 * loss_1, head_1 - loss_1)
+    grad_1 = _pick(fused_loss, head_1, head_after_loss)
     # an interleaved runtime lets a send go once its receive is proven posted
     # (runtime: slapo_tune.parallel._send_release): a chunk output sent forward always is by its own
     # backward (it lives in the stage until then anyway, counted with the micro-batch), an input

@@ -129,8 +129,10 @@ def fit_time(samples: Sequence[tuple[Mapping[str, float], float]]) -> dict[str, 
 # head's all-gather of the logits. Version 4: ZeRO-1 is a unit per block (grads_unsharded: the
 # running block's and the root's bf16 gradients; rs_buffer: a block's reduce-scatter). Version 5:
 # an interleaved rank's pp_recv is what torch's action lists keep alive (the step's most, and at
-# its last backward and last loss their own), not one per chunk and micro-batch in flight.
-CALIBRATION_VERSION = 5
+# its last backward and last loss their own), not one per chunk and micro-batch in flight. Version 6:
+# logits_grad on the last stage is the larger of the loss's two fp32 gradients and the head's backward
+# (the logits' gradient beside the head's weight gradient) without loss_parallel, not the former only.
+CALIBRATION_VERSION = 6
 
 
 def _cache_path(device: str, family: str, precision: str) -> Path:
