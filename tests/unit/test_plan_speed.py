@@ -121,10 +121,14 @@ def test_layout_floor_is_below_every_points_peak():
 
 @pytest.mark.parametrize("case", [(), GPT2, GPT2_UNEVEN], ids=["llama", "gpt2-amp", "gpt2-uneven"])
 def test_group_floor_is_below_every_points_peak(case):
+    """Every group's floor (:meth:`CostModel.group_floors`, all groups at once as ``plan`` reads them;
+    ``group_floor`` is the same of one group) is below each of its points' predicted peaks."""
     model, evaluated = _evaluated(*case)
     peaks = {json.dumps(point.knobs()): mem.peak for point, mem in evaluated}
-    for group in _groups(case):
-        floor = model.group_floor(group[0], group)
+    groups = _groups(case)
+    floors = model.group_floors([group[0] for group in groups], groups)
+    assert floors[0] == model.group_floor(groups[0][0], groups[0])
+    for group, floor in zip(groups, floors, strict=True):
         assert all(0 < floor <= peaks[json.dumps(p)] for p in group), group[0]
 
 
