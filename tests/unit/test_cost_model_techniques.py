@@ -7,6 +7,7 @@ real step's peak on CPU (tests/multirank/test_cost_model.py checks that against 
 
 import pytest
 
+from benchmarks.cost_model_accuracy import MODELS as ACCURACY_MODELS
 from slapo_tune.cost_model import CostModel
 from slapo_tune.cost_model.analytic import (
     DEFAULT_UNCERTAINTY,
@@ -348,31 +349,26 @@ def test_a_layouts_attention_dropout_is_what_the_models_attention_trains_with():
         assert passed and set(passed) == {attention_dropout_of(config)}, (type(config).__name__, passed)
 
 
-# the CPU accuracy benchmark's models (benchmarks.cost_model_accuracy.MODELS) at its sequence length,
-# four micro-batches of one sequence: a 384-wide model whose 8,192-word head outweighs a micro-batch's
-# logits
-HEAD_HEAVY = {"llama-tiny": {"num_hidden_layers": 6, "hidden_size": 384, "num_attention_heads": 6,
-                             "num_key_value_heads": 2, "intermediate_size": 1024, "vocab_size": 8192},
-              "gpt2": {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 8192}}
-
-
-@pytest.mark.parametrize("preset,world,knobs,tolerance", [
+# the CPU accuracy benchmark's models (a 384-wide model whose 8,192-word head outweighs a
+# micro-batch's logits) at its sequence length, four micro-batches of one sequence
+@pytest.mark.parametrize("label,world,knobs,tolerance", [
     # one stage: from the second micro-batch on, the head's weight gradient is made beside the one
     # accumulated and the logits' gradient (1.9 % under when only the loss's gradients counted)
-    ("llama-tiny", 1, dict(micro_batch=1, ckpt_ratio=0.5, ckpt_policy="selective", fuse="on"), 0.01),
+    ("llama-ref", 1, dict(micro_batch=1, ckpt_ratio=0.5, ckpt_policy="selective", fuse="on"), 0.01),
     # the same on an interleaved pipeline's last stage (2.9 % under when only the loss's counted)
-    ("llama-tiny", 2, dict(pp=2, vpp=3, micro_batch=1, ckpt_ratio=0.25, ckpt_policy="selective"), 0.01),
+    ("llama-ref", 2, dict(pp=2, vpp=3, micro_batch=1, ckpt_ratio=0.25, ckpt_policy="selective"), 0.01),
     # GPT-2's pipelined last stage holds its tied head as a copy of the embedding, whose gradient
     # comes once the logits' gradient is freed (4.3 % over when the head's moment is counted)
-    ("gpt2", 2, dict(pp=2, micro_batch=1, ckpt_ratio=0.5, attn="eager", fuse="on"), 0.02),
+    ("gpt2-ref", 2, dict(pp=2, micro_batch=1, ckpt_ratio=0.5, attn="eager", fuse="on"), 0.02),
 ])
 def test_the_heads_backward_beside_the_logits_gradient_is_within_a_few_percent_of_exact_mode(
-        preset, world, knobs, tolerance):
+        label, world, knobs, tolerance):
     """Without loss_parallel, the last stage's moment after the loss is the head's backward: the
     logits' gradient (the log-softmax freed), the head's input and weight gradients. With a wide head
     and few tokens a micro-batch it outweighs the loss's two fp32 gradients; the last stage's analytic
     peak (default weights) is then within ``tolerance`` of exact mode's."""
-    spec = ProblemSpec(preset, world, model_overrides=HEAD_HEAVY[preset], global_batch=4, seq_len=128)
+    name, overrides = ACCURACY_MODELS[label]
+    spec = ProblemSpec(name, world, model_overrides=dict(overrides), global_batch=4, seq_len=128)
     model = CostModel(spec.resolve(), CPU)
     point = {**BASE, "dp": world // knobs.get("pp", 1), **knobs}
     plan = model.problem.plan(point)
