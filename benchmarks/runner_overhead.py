@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 
@@ -63,6 +64,7 @@ def main(argv=None) -> dict:
             summary[f"world{world}"] = row
     finally:
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # the Ray session's folder: nothing left behind
     save_json("runner_overhead", summary)
     return summary
 
