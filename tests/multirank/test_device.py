@@ -318,6 +318,7 @@ def test_concurrent_local_trials_get_disjoint_gpus(monkeypatch, fake_cuda):
 # ---------------------------------------------------------------------------- hardware and budget
 @pytest.mark.parametrize("name,memory,preset,how", [
     ("NVIDIA H100 80GB HBM3", 80 * GiB, "h100-80gb", "detected"),
+    ("NVIDIA H100", int(94.5 * GiB), "h100-96gb", "detected"),  # torchtitan's 96 GB, 500 W part
     ("NVIDIA H200", 141 * GiB, "h200", "detected"),
     ("NVIDIA A100-SXM4-40GB", int(39.4 * GiB), "a100-40gb", "detected"),
     ("NVIDIA A100-SXM4-80GB", int(79.1 * GiB), "a100-80gb", "detected"),

@@ -72,7 +72,7 @@ def test_fp8_is_refused_on_presets_without_fp8_and_in_exact_mode(capsys):
     assert main([*base, "--hardware", "a100-80gb"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["slapo-tune: error: precision fp8: a100-80gb has no FP8 tensor cores (no "
-                   "fp8_flops); choose a preset with FP8 (h100-80gb, h200, b200) or bf16"]
+                   "fp8_flops); choose a preset with FP8 (h100-80gb, h100-96gb, h200, b200) or bf16"]
     assert main([*base, "--hardware", "h100-80gb", "--mode", "exact"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "exact memory cannot run precision fp8" in err[0]

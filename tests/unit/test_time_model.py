@@ -273,7 +273,7 @@ def test_hardware_presets_are_data_with_sources(tmp_path):
     from slapo_tune.cost_model.hardware import PRESETS, PRESETS_FILE, load_presets
 
     data = json.loads(PRESETS_FILE.read_text())
-    assert set(data["presets"]) == set(PRESETS) >= {"a100-40gb", "a100-80gb", "h100-80gb", "h200", "b200"}
+    assert set(data["presets"]) == set(PRESETS) >= {"a100-40gb", "a100-80gb", "h100-80gb", "h100-96gb", "h200", "b200"}
     for name, entry in data["presets"].items():
         assert entry["sources"] and PRESETS[name].memory == entry["memory_gib"] * 2**30
     for broken in ({"sources": []}, {"flops": None}):
