@@ -18,7 +18,9 @@ length, the precision and the published throughput (tokens/s per GPU, and MFU). 
   pipeline parallelism), as that framework runs them, and among every point of our space, as our
   runtime runs them (the published configuration too). The first asks whether the cost model
   orders what the experts chose from as they did; the second is the planner's claim over a
-  configuration their framework could not run, which no published figure here measures.
+  configuration their framework could not run, which no published figure here measures. The first
+  is the ranking criterion: a cost model that charges nothing for recomputation, wrong by up to 1.4x
+  on the checkpointed runs, scores better on the second (``docs/cost-model.md``).
 
 Each framework says how its runtime differs where the time model charges it (a
 :class:`~slapo_tune.cost_model.Runtime`, each fact with its source):
@@ -382,7 +384,7 @@ def report_section(data: dict) -> list[str]:
              "Kept: not pruned by the cost model at tune's and plan's default budget on that GPU (its memory less the "
              "CUDA reserve). "
              f"Rank: the published configuration's place among plan's points that fit that budget (- : not in the first {TOP}), first among "
-             "the points its framework offers (llm-foundry: FSDP alone; every point there), then among plan's list "
+             "the points its framework offers (llm-foundry: FSDP alone; every point there; the ranking criterion), then among plan's list "
              "over every knob (one row per tp/pp/cp layout); first choice: plan's best point's predicted speed-up "
              "over it.", "",
              "| run | held out | peak GiB / GPU (default budget) | fits | kept | tokens/s/GPU published | predicted | ratio | MFU published | "
