@@ -1,6 +1,6 @@
 """``slapo-tune plan`` at the scale users plan for: the whole command's wall time (a fresh process,
 its imports included, as a user runs it), for GPT-3 175B on 1,024 ranks (target under 3 s) and
-Megatron-LM's 1T GPT on 3,072 (under 5 s), with 175B on 384 ranks beside them. The workloads run
+Megatron-LM's 1T GPT on 3,072 (under 5 s), with 175B on 384 ranks and Llama-2-70B on 64 beside them. The workloads run
 in turn, round by round, so a slow period of a shared machine hits each alike; medians and spread.
 Run: ``python -m benchmarks.plan_speed [--rounds 5]``.
 """
@@ -24,6 +24,10 @@ WORKLOADS = (
     ("gpt-1t w3072", ["--model", "gpt-1t", "--world-size", "3072", "--seq-len", "2048", "--global-batch", "3072"], 5.0),
     ("gpt3-175b w384", ["--model", "gpt3-175b", "--world-size", "384", "--seq-len", "2048",
                         "--global-batch", "1536"], None),
+    # Llama-2-70B on 8 nodes (1.29M points): the test suite's plan at scale, timed here rather than
+    # asserted there (tests/multirank/test_cost_model.py::test_plan_llama70b_on_64_gpus)
+    ("llama-70b w64", ["--model", "llama-70b", "--world-size", "64", "--seq-len", "4096", "--global-batch", "1024"],
+     None),
 )
 
 
